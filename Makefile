@@ -1,0 +1,38 @@
+# The course's two commands, `make demo` and `make test`, work from a fresh clone:
+# each creates .venv, installs the pinned requirements and prepares what it needs.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Prebuilt wheels (torch-scatter, torch-sparse for lesson 4) when this folder exists; else PyPI.
+WHEELS := ../shared/wheels
+FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
+
+.PHONY: setup demo test notebooks bench figures clean
+
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+		-r requirements-dev.txt -c constraints.txt $(FIND_LINKS)
+	touch $(STAMP)
+
+setup: $(STAMP)  ## virtual environment, packages, offline dataset fallback
+	@bash tools/install_system_data.sh
+
+demo: setup  ## the main job: 2-process CPU DDP training of the ConvNet, one epoch
+	$(PY) ddp_scripts/mnist_ddp_cpu.py --nprocs 2 --model convnet --epochs 1 --data-dir data
+
+test: setup  ## the whole test suite (what .ci/run runs)
+	$(PY) -m pytest
+
+notebooks: setup  ## execute every notebook with papermill into build/notebooks/
+	$(PY) tools/run_notebooks.py
+
+bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/)
+	$(PY) tools/bench.py
+
+figures: setup  ## redraw the figures that do not need a benchmark run
+	$(PY) tools/draw_ddp_diagram.py
+
+clean:
+	rm -rf build notebooks/output .pytest_cache

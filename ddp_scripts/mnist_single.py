@@ -1,0 +1,257 @@
+"""Lesson 1: train an MNIST classifier in ONE process (the baseline for every DDP lesson).
+
+    python mnist_single.py --model convnet --epochs 1
+    python mnist_single.py --model linear --batch-size 128 --max-steps 50 --no-shuffle
+
+Self-contained: copy it anywhere, it needs only torch and torchvision (tqdm optional).
+Compare it with mnist_ddp_cpu.py: the diff of the two files is the DDP lesson.
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from urllib.error import URLError
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision import datasets
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the progress bar is optional
+
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+# --------------------------------------------------------------------------- data
+TORCHVISION_CLASSES = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST}
+MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
+RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+# Debian's package dataset-fashion-mnist puts the four .gz files here (an offline fallback).
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+class UsageError(Exception):
+    """Something the user can fix: reported in one line, without a traceback."""
+
+
+def raw_dir(name, data_dir):
+    return os.path.join(data_dir, TORCHVISION_CLASSES[name].__name__, "raw")  # torchvision's layout
+
+
+def have_files(name, data_dir):
+    return all(os.path.exists(os.path.join(raw_dir(name, data_dir), f)) for f in RAW_FILES)
+
+
+def try_download(name, data_dir):
+    """torchvision's own download; False (within seconds, not minutes) when offline."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(10)
+    try:
+        TORCHVISION_CLASSES[name](data_dir, train=True, download=True)  # fetches train and test files
+        return True
+    except (RuntimeError, URLError, OSError):
+        return False
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def copy_from_package(data_dir):
+    os.makedirs(raw_dir("fashion-mnist", data_dir), exist_ok=True)
+    for f in RAW_FILES:
+        target = os.path.join(raw_dir("fashion-mnist", data_dir), f)
+        with gzip.open(os.path.join(FASHION_MNIST_PACKAGE_DIR, f + ".gz")) as src, \
+                open(target + ".part", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(target + ".part", target)  # atomic: a reader never sees half a file
+
+
+def prepare_data(dataset, data_dir, verbose=True):
+    """Put the files on disk (download at most once) and return the dataset actually used.
+
+    Call it in ONE process: N processes downloading into the same folder corrupt each other.
+    """
+    if dataset in ("auto", "mnist"):
+        if have_files("mnist", data_dir) or try_download("mnist", data_dir):
+            return "mnist"
+        if dataset == "mnist":
+            raise UsageError(
+                f"MNIST is not in {raw_dir('mnist', data_dir)} and could not be downloaded (offline?): "
+                f"run once online, copy the four *-ubyte files there, or use --dataset fashion-mnist")
+    if not have_files("fashion-mnist", data_dir):
+        if os.path.isdir(FASHION_MNIST_PACKAGE_DIR):
+            copy_from_package(data_dir)
+        elif not try_download("fashion-mnist", data_dir):
+            raise UsageError(
+                f"Fashion-MNIST is not in {raw_dir('fashion-mnist', data_dir)} and could not be "
+                f"downloaded (offline?): install Debian's dataset-fashion-mnist or copy the files there")
+    if dataset == "auto" and verbose:
+        print("MNIST is not available (no files, no download): using Fashion-MNIST instead "
+              "(same shapes, 10 classes of clothing).", flush=True)
+    return "fashion-mnist"
+
+
+def load_split(name, data_dir, train):
+    """Decode the whole split into tensors once: no per-sample PIL work while training."""
+    raw = TORCHVISION_CLASSES[name](data_dir, train=train, download=False)
+    mean, std = MEAN_STD[name]
+    images = raw.data.float().div(255).sub(mean).div(std).unsqueeze(1)  # N x 1 x 28 x 28
+    return images, raw.targets
+
+
+# --------------------------------------------------------------------------- models
+class ConvNet(nn.Module):
+    """Two conv and two linear layers with dropout (Mastering PyTorch, chapter 11)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(32 * 12 * 12, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)  # logits
+
+
+def build_model(name):
+    if name == "linear":  # Flatten + Linear (Graph Neural Networks in Action, 7.8)
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    return ConvNet()
+
+
+# --------------------------------------------------------------------------- training
+@torch.no_grad()
+def evaluate(model, images, labels):
+    """Loss and accuracy over the whole test set."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for x, y in zip(images.split(1000), labels.split(1000)):
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(1) == y).sum().item()
+    model.train()
+    return loss_sum / len(labels), correct / len(labels)
+
+
+def train(args):
+    torch.set_num_threads(args.threads_per_proc)
+    train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
+    test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    loader = DataLoader(TensorDataset(train_images, train_labels), batch_size=args.batch_size,
+                        shuffle=not args.no_shuffle,
+                        generator=torch.Generator().manual_seed(args.seed))
+
+    log = print if not args.quiet else (lambda *a, **k: None)
+    log(f"training {args.model} on {args.dataset}: 1 process, {args.threads_per_proc} torch "
+        f"thread(s), batch {args.batch_size}", flush=True)
+    history, steps, start = [], 0, time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        epoch_start = time.perf_counter()
+        loss_sum, seen = 0.0, 0
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
+                   disable=args.quiet or not sys.stdout.isatty())
+        for x, y in bar:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * len(y)
+            seen += len(y)
+            steps += 1
+            if steps == args.max_steps:
+                break
+        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+
+        test_loss, test_accuracy = evaluate(model, test_images, test_labels)
+        history.append({"epoch": epoch, "train_loss": loss_sum / seen, "test_loss": test_loss,
+                        "test_accuracy": test_accuracy, "seconds": seconds,
+                        "images_per_second": seen / seconds, "steps": steps})
+        log(f"epoch {epoch}: train loss {loss_sum / seen:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen / seconds:,.0f} images/s",
+            flush=True)
+        if steps == args.max_steps:
+            break
+
+    last = history[-1]
+    print(f"done: {args.model} on {args.dataset}, 1 process, {steps} steps, "
+          f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} images/s, "
+          f"{time.perf_counter() - start:.1f} s in all", flush=True)
+    if args.save:
+        torch.save(model.state_dict(), args.save)
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as f:
+            json.dump({"world_size": 1, "model": args.model, "dataset": args.dataset,
+                       "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
+                       "epochs": history}, f, indent=2)
+
+
+# --------------------------------------------------------------------------- command line
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        sys.exit(f"{self.prog}: error: {message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
+    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
+                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64)
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads (default: all cores)")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    args = p.parse_args(argv)
+    if args.threads_per_proc is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        args.threads_per_proc = max(1, cores or 1)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+        train(args)
+    except UsageError as err:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Shared helpers: paths, running a script as a user would (a subprocess with a time limit),
+and the dataset prepared once for the whole session."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "ddp_scripts"
+DATA_DIR = REPO / "data"
+
+
+def load_script(name):
+    """Import a script from ddp_scripts/ as a module (they are files to copy, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_env(**extra):
+    env = dict(os.environ)
+    env.pop("MASTER_PORT", None)  # each run picks its own free port
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_script(script, *args, timeout=240, env=None, launcher=None):
+    """Run ddp_scripts/<script> (or under `launcher`, e.g. torchrun) and return the result."""
+    command = [sys.executable] + (launcher or []) + [str(SCRIPTS / script)] + [str(a) for a in args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=env or script_env(), cwd=REPO)
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def dataset():
+    """Prepare the data once (MNIST if present or downloadable, else Fashion-MNIST)."""
+    return load_script("mnist_single").prepare_data("auto", str(DATA_DIR), verbose=False)
+
+
+@pytest.fixture(scope="session")
+def data_args(dataset):
+    return ["--dataset", dataset, "--data-dir", DATA_DIR]

@@ -1,0 +1,56 @@
+"""Mistakes a user makes get one line on stderr, a non-zero exit, within seconds, no traceback."""
+import socket
+import time
+
+import pytest
+from conftest import run_script, script_env
+
+SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py"]
+LIMIT_S = 30  # "within seconds": generous for a loaded 2-core machine, far from a hang
+
+
+def refused(script, *args, env=None):
+    start = time.monotonic()
+    r = run_script(script, *args, env=env, timeout=LIMIT_S + 30)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "error" in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("args, expected", [
+    (["--batch-size", "-8"], "--batch-size"),
+    (["--epochs", "0"], "--epochs"),
+    (["--model", "resnet"], "invalid choice"),
+    (["--dataset", "imagenet"], "invalid choice"),
+    (["--max-steps", "zero"], "--max-steps"),
+])
+def test_bad_flag_values(script, args, expected):
+    assert expected in refused(script, *args)
+
+
+def test_zero_processes():
+    assert "--nprocs" in refused("mnist_ddp_cpu.py", "--nprocs", "0")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_mnist_asked_for_offline_without_files(tmp_path, script):
+    # Offline for urllib: every download goes to a proxy on a port where nothing listens.
+    offline = script_env(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
+                         HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9")
+    line = refused(script, "--dataset", "mnist", "--data-dir", tmp_path, env=offline)
+    assert "MNIST" in line and "--dataset fashion-mnist" in line
+
+
+def test_master_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = refused("mnist_ddp_cpu.py", "--max-steps", "1", env=script_env(MASTER_PORT=port))
+    assert f"MASTER_PORT={port}" in line

@@ -1,0 +1,39 @@
+"""DDP is data parallelism: N processes with batch B take exactly the steps that one process takes
+with batch N*B, when both see the same samples (--no-shuffle) and nothing is random (linear model)."""
+import pytest
+import torch
+from conftest import run_script
+
+STEPS = 25
+
+
+def train_and_load(tmp_path, name, script, *args, data_args):
+    path = tmp_path / f"{name}.pt"
+    r = run_script(script, "--model", "linear", "--no-shuffle", "--max-steps", STEPS,
+                   "--save", path, "--quiet", *args, *data_args)
+    assert r.returncode == 0, r.stderr
+    return torch.load(path)
+
+
+def max_abs_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args, world_size):
+    batch = 40
+    single = train_and_load(tmp_path, "single", "mnist_single.py", "--batch-size", world_size * batch,
+                            data_args=data_args)
+    ddp = train_and_load(tmp_path, "ddp", "mnist_ddp_cpu.py", "--nprocs", world_size,
+                         "--batch-size", batch, data_args=data_args)
+    assert max_abs_diff(single, ddp) < 1e-5
+
+    # The comparison can fail: one process with the per-rank batch takes different steps ...
+    small = train_and_load(tmp_path, "small", "mnist_single.py", "--batch-size", batch,
+                           data_args=data_args)
+    assert max_abs_diff(single, small) > 1e-3
+    # ... and training moved the weights far from where they started.
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10)).state_dict()
+    assert max_abs_diff(single, initial) > 1e-2
