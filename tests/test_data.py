@@ -1,0 +1,80 @@
+"""Which dataset the scripts use, and where its files come from (MNIST, or Fashion-MNIST offline)."""
+import os
+import struct
+
+import pytest
+import torch
+from conftest import load_script, read_metrics, run_script, script_env
+
+single = load_script("mnist_single")
+OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+needs_package = pytest.mark.skipif(
+    not os.path.isdir(single.FASHION_MNIST_PACKAGE_DIR),
+    reason="Debian's dataset-fashion-mnist is not installed (make setup installs it as root)")
+
+
+def write_idx(path, tensor):
+    """Write a uint8 tensor in the IDX format of the MNIST files (magic, sizes, bytes)."""
+    with open(path, "wb") as f:
+        f.write(struct.pack(">HBB", 0, 0x08, tensor.dim()))
+        f.write(struct.pack(f">{tensor.dim()}I", *tensor.shape))
+        f.write(tensor.numpy().tobytes())
+
+
+def write_tiny_mnist(data_dir, n_train=96, n_test=40):
+    """Learnable fake MNIST files: the label is which quarter of the image is bright."""
+    raw = data_dir / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
+        images = torch.randint(0, 60, (n, 28, 28), generator=g, dtype=torch.uint8)
+        for i, label in enumerate(labels.tolist()):
+            r, c = divmod(label, 2)
+            images[i, 14 * r:14 * r + 14, 14 * c:14 * c + 14] += 180
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+
+
+def test_mnist_files_are_read_through_torchvision(tmp_path):
+    write_tiny_mnist(tmp_path)
+    assert single.prepare_data("auto", str(tmp_path)) == "mnist"
+    images, labels = single.load_split("mnist", str(tmp_path), train=True)
+    assert images.shape == (96, 1, 28, 28) and images.dtype == torch.float32
+    assert labels.shape == (96,) and labels.max() <= 3
+
+
+@pytest.mark.parametrize("script, extra", [("mnist_single.py", []),
+                                           ("mnist_ddp_cpu.py", ["--nprocs", "2"])])
+def test_auto_prefers_mnist_when_its_files_are_there(tmp_path, script, extra):
+    write_tiny_mnist(tmp_path / "data")
+    out = tmp_path / "m.json"
+    r = run_script(script, *extra, "--model", "linear", "--batch-size", 16, "--epochs", 2,
+                   "--data-dir", tmp_path / "data", "--metrics-json", out, env=script_env(**OFFLINE))
+    assert r.returncode == 0, r.stderr
+    assert "Fashion" not in r.stdout
+    metrics = read_metrics(out)
+    assert metrics["dataset"] == "mnist"
+    assert metrics["epochs"][-1]["test_accuracy"] > 0.5  # 4 classes: chance is 0.25
+
+
+@needs_package
+def test_auto_falls_back_to_fashion_mnist_offline_and_says_so(tmp_path):
+    out = tmp_path / "m.json"
+    r = run_script("mnist_single.py", "--model", "linear", "--max-steps", 5, "--data-dir", tmp_path,
+                   "--metrics-json", out, env=script_env(**OFFLINE))
+    assert r.returncode == 0, r.stderr
+    announcements = [line for line in r.stdout.splitlines() if "Fashion-MNIST" in line]
+    assert len(announcements) == 1
+    assert read_metrics(out)["dataset"] == "fashion-mnist"
+    assert single.have_files("fashion-mnist", str(tmp_path))
+
+
+@needs_package
+def test_explicit_fashion_mnist_prepares_an_empty_data_dir_from_the_package(tmp_path):
+    assert single.prepare_data("fashion-mnist", str(tmp_path), verbose=False) == "fashion-mnist"
+    images, labels = single.load_split("fashion-mnist", str(tmp_path), train=False)
+    assert images.shape == (10000, 1, 28, 28)
+    assert torch.bincount(labels).tolist() == [1000] * 10
+    # normalised with the dataset's own statistics
+    assert abs(images.mean().item()) < 0.05 and abs(images.std().item() - 1) < 0.05
