@@ -25,8 +25,8 @@ demo: setup  ## the main job: 2-process CPU DDP training of the ConvNet, one epo
 test: setup  ## the whole test suite (what .ci/run runs)
 	$(PY) -m pytest
 
-notebooks: setup  ## execute every notebook with papermill into build/notebooks/
-	$(PY) tools/run_notebooks.py
+notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
+	$(PY) tools/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
 bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/)
 	$(PY) tools/bench.py

@@ -1,0 +1,57 @@
+"""The notebooks: committed without outputs, parameterised for papermill, and they run (smoke mode)."""
+import re
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+from conftest import REPO
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+IDS = [nb.name for nb in NOTEBOOKS]
+
+
+def test_every_lesson_has_a_notebook():
+    assert [nb.name[:2] for nb in NOTEBOOKS] == ["01", "02"][:len(NOTEBOOKS)] and len(NOTEBOOKS) >= 2
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_committed_without_outputs(path):
+    # Numbers in a notebook come from the reader's own run, so none are committed.
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, \
+                f"{path.name}: clear outputs before committing (jupyter nbconvert --clear-output)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_first_code_cell_holds_the_parameters(path):
+    nb = nbformat.read(path, as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    assert "parameters" in first.metadata.get("tags", [])
+    assert re.search(r"^SMOKE = .*COURSE_SMOKE", first.source, re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_relative_links_point_to_files(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for target in re.findall(r"\]\(([^)#:]+)\)", cell.source):
+                assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_runs_in_smoke_mode(path, tmp_path, dataset):
+    out = tmp_path / path.name
+    papermill.execute_notebook(str(path), str(out), cwd=str(path.parent), parameters={"SMOKE": True},
+                               kernel_name="python3", progress_bar=False, execution_timeout=600)
+    executed = nbformat.read(out, as_version=4)
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), "a cell did not run"
+    text = "".join(o.get("text", "") for c in code for o in c.outputs if o.get("output_type") == "stream")
+    assert "done:" in text  # the launched scripts ran to the end and printed their summary

@@ -1,0 +1,47 @@
+"""Execute every course notebook with papermill, as a user's CI would, into build/notebooks/.
+
+    python tools/run_notebooks.py            # full runs
+    python tools/run_notebooks.py --smoke    # SMOKE=True: tiny runs, a minute or two in all
+    python tools/run_notebooks.py notebooks/02_ddp_cpu_gloo.ipynb
+
+Each notebook runs with notebooks/ as its working directory (as Jupyter and nbmake do).
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import papermill
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="run with SMOKE=True")
+    parser.add_argument("--out", type=Path, default=REPO / "build" / "notebooks")
+    args = parser.parse_args()
+    notebooks = args.notebooks or sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for nb in notebooks:
+        nb = nb.resolve()
+        start = time.perf_counter()
+        print(f"running {nb.relative_to(REPO)} (SMOKE={args.smoke}) ...", flush=True)
+        try:
+            papermill.execute_notebook(str(nb), str(args.out / nb.name), cwd=str(nb.parent),
+                                       parameters={"SMOKE": args.smoke}, kernel_name="python3",
+                                       progress_bar=False, execution_timeout=1800)
+        except papermill.PapermillExecutionError as err:
+            failed.append(nb.name)
+            print(f"  FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
+            continue
+        print(f"  ok in {time.perf_counter() - start:.0f} s -> {(args.out / nb.name).relative_to(REPO)}",
+              flush=True)
+    if failed:
+        sys.exit(f"{len(failed)} notebook(s) failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
