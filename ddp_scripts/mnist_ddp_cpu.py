@@ -157,18 +157,6 @@ def evaluate(model, images, labels, rank, world_size):
 
 
 def train(rank, world_size, args):
-    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by the launcher
-    #    below or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective,
-    #    so a rank that dies or stalls turns into an error instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        run(rank, world_size, args)
-    finally:
-        dist.destroy_process_group()  # 8. tear down, even after an error
-
-
-def run(rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     if args.prepare_in_rank0:  # torchrun: no launcher ran prepare_data, so rank 0 does, once
         args.dataset = share_from_rank0(lambda: prepare_data(args.dataset, args.data_dir,
@@ -185,10 +173,10 @@ def run(rank, world_size, args):
 
     # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
     #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
-    sampler = DistributedSampler(TensorDataset(train_images, train_labels), num_replicas=world_size,
-                                 rank=rank, shuffle=not args.no_shuffle, seed=args.seed)
-    loader = DataLoader(TensorDataset(train_images, train_labels), batch_size=args.batch_size,
-                        sampler=sampler)
+    train_set = TensorDataset(train_images, train_labels)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=not args.no_shuffle, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
     log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
     log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
@@ -277,12 +265,20 @@ def free_port():
 
 
 def worker(rank, world_size, args):
-    """What each spawned process runs: errors the user can fix become one line, exit code 1."""
+    """What each process runs, whether spawned below or started by torchrun."""
+    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by the launcher
+    #    below or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective,
+    #    so a rank that dies or stalls turns into an error instead of a hang.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
     try:
         train(rank, world_size, args)
-    except UsageError as err:
-        print(f"error (rank {rank}): {err}", file=sys.stderr, flush=True)
+    except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
+        if rank == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        dist.destroy_process_group()  # 8. tear down, even after an error
 
 
 def launch(args):
@@ -297,6 +293,9 @@ def launch(args):
     os.environ["MASTER_PORT"] = str(free_port())
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     args.prepare_in_rank0 = False
+    if args.nprocs > cpu_cores() and not args.quiet:
+        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
+              f"expect it slower than fewer processes", flush=True)
     try:
         mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs, join=True)
     except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
@@ -310,6 +309,10 @@ def launch(args):
 
 
 # --------------------------------------------------------------------------- command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         sys.exit(f"{self.prog}: error: {message} (see --help)")
@@ -348,9 +351,8 @@ def parse_args(argv=None):
                    help="seconds any collective may wait for the other ranks before failing")
     args = p.parse_args(argv)
     if args.threads_per_proc is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, (cores or 1) // procs)
+        args.threads_per_proc = max(1, cpu_cores() // procs)
     return args
 
 

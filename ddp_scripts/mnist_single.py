@@ -156,8 +156,8 @@ def train(args):
     model = build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
-    loader = DataLoader(TensorDataset(train_images, train_labels), batch_size=args.batch_size,
-                        shuffle=not args.no_shuffle,
+    train_set = TensorDataset(train_images, train_labels)
+    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=not args.no_shuffle,
                         generator=torch.Generator().manual_seed(args.seed))
 
     log = print if not args.quiet else (lambda *a, **k: None)
@@ -205,6 +205,10 @@ def train(args):
 
 
 # --------------------------------------------------------------------------- command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         sys.exit(f"{self.prog}: error: {message} (see --help)")
@@ -239,8 +243,7 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     args = p.parse_args(argv)
     if args.threads_per_proc is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        args.threads_per_proc = max(1, cores or 1)
+        args.threads_per_proc = cpu_cores()
     return args
 
 
