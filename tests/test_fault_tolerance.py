@@ -31,5 +31,5 @@ def test_killed_worker_stops_the_job(dataset):
     assert launcher.returncode != 0
     assert "ended with signal SIGKILL" in stderr and "other workers were stopped" in stderr
     assert "Traceback" not in stderr
-    gone, alive = psutil.wait_procs(family, timeout=10)
+    _, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, f"left behind: {alive}"

@@ -1,6 +1,5 @@
 """The notebooks: committed without outputs, parameterised for papermill, and they run (smoke mode)."""
 import re
-from pathlib import Path
 
 import nbformat
 import papermill
