@@ -232,7 +232,7 @@ def train(rank, world_size, args):
                            "epochs": history}, f, indent=2)
 
 
-def share_from_rank0(fn, rank):
+def share_from_rank0(fn, rank, device=None):
     """Run fn on rank 0 only; the other ranks wait (a barrier) and receive its result or its error."""
     result = [None]
     if rank == 0:
@@ -240,7 +240,7 @@ def share_from_rank0(fn, rank):
             result = [("ok", fn())]
         except UsageError as err:
             result = [("error", str(err))]
-    dist.broadcast_object_list(result, src=0)
+    dist.broadcast_object_list(result, src=0, device=device)  # NCCL moves objects via the GPU
     if result[0][0] == "error":
         raise UsageError(result[0][1])
     return result[0][1]

@@ -5,7 +5,8 @@ import time
 import pytest
 from conftest import run_script, script_env
 
-SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py"]
+SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py"]
+CPU_ONLY = {"mnist_ddp_gpu.py": ["--backend", "gloo", "--device", "cpu"]}  # runs without a GPU
 LIMIT_S = 30  # "within seconds": generous for a loaded 2-core machine, far from a hang
 
 
@@ -34,8 +35,9 @@ def test_bad_flag_values(script, args, expected):
     assert expected in refused(script, *args)
 
 
-def test_zero_processes():
-    assert "--nprocs" in refused("mnist_ddp_cpu.py", "--nprocs", "0")
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_zero_processes(script):
+    assert "--nprocs" in refused(script, "--nprocs", "0")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -43,14 +45,17 @@ def test_mnist_asked_for_offline_without_files(tmp_path, script):
     # Offline for urllib: every download goes to a proxy on a port where nothing listens.
     offline = script_env(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
                          HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9")
-    line = refused(script, "--dataset", "mnist", "--data-dir", tmp_path, env=offline)
+    line = refused(script, *CPU_ONLY.get(script, []), "--dataset", "mnist", "--data-dir", tmp_path,
+                   env=offline)
     assert "MNIST" in line and "--dataset fashion-mnist" in line
 
 
-def test_master_port_in_use():
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_master_port_in_use(script):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        line = refused("mnist_ddp_cpu.py", "--max-steps", "1", env=script_env(MASTER_PORT=port))
+        line = refused(script, *CPU_ONLY.get(script, []), "--max-steps", "1",
+                       env=script_env(MASTER_PORT=port))
     assert f"MASTER_PORT={port}" in line

@@ -20,12 +20,16 @@ def max_abs_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args, world_size):
+@pytest.mark.parametrize("script, world_size", [
+    ("mnist_ddp_cpu.py", 2), ("mnist_ddp_cpu.py", 3),
+    ("mnist_ddp_gpu.py", 2),  # its CPU fallback; tests/test_gpu_script.py covers GPUs
+])
+def test_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args, script, world_size):
     batch = 40
     single = train_and_load(tmp_path, "single", "mnist_single.py", "--batch-size", world_size * batch,
                             data_args=data_args)
-    ddp = train_and_load(tmp_path, "ddp", "mnist_ddp_cpu.py", "--nprocs", world_size,
+    cpu = ["--backend", "gloo", "--device", "cpu"] if script == "mnist_ddp_gpu.py" else []
+    ddp = train_and_load(tmp_path, "ddp", script, *cpu, "--nprocs", world_size,
                          "--batch-size", batch, data_args=data_args)
     assert max_abs_diff(single, ddp) < 1e-5
 

@@ -5,9 +5,11 @@ import ast
 import pytest
 from conftest import SCRIPTS
 
-BASELINE = "mnist_single.py"
-# What a lesson is allowed to change (the diff between the scripts is the lesson itself).
-LESSON_SPECIFIC = {"evaluate", "train", "parse_args", "main"}
+# (earlier lesson, next lesson, what the next lesson may change): the diff is the lesson itself.
+PAIRS = [
+    ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main"}),
+    ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "launch", "parse_args"}),
+]
 
 
 def top_level(path):
@@ -22,13 +24,17 @@ def top_level(path):
     return defs
 
 
-@pytest.mark.parametrize("script", ["mnist_ddp_cpu.py"])
-def test_shared_definitions_are_identical(script):
-    base, other = top_level(SCRIPTS / BASELINE), top_level(SCRIPTS / script)
-    shared = (set(base) & set(other)) - LESSON_SPECIFIC
+@pytest.mark.parametrize("earlier, script, lesson_specific", PAIRS, ids=[p[1] for p in PAIRS])
+def test_shared_definitions_are_identical(earlier, script, lesson_specific):
+    base, other = top_level(SCRIPTS / earlier), top_level(SCRIPTS / script)
+    shared = (set(base) & set(other)) - lesson_specific
     assert {"prepare_data", "load_split", "ConvNet", "build_model"} <= shared
     drifted = sorted(name for name in shared if base[name] != other[name])
-    assert not drifted, f"{script} differs from {BASELINE} in {drifted}: change both"
+    assert not drifted, f"{script} differs from {earlier} in {drifted}: change both"
+
+
+def test_every_script_is_checked():
+    assert {p.name for p in SCRIPTS.glob("*.py")} == {name for pair in PAIRS for name in pair[:2]}
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
