@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 WHEELS := ../shared/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
-.PHONY: setup demo test notebooks bench figures clean
+.PHONY: setup demo test notebooks bench gpu-check kaggle figures clean
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ notebooks: setup  ## execute every notebook with papermill into build/notebooks/
 
 bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/)
 	$(PY) tools/bench.py
+
+gpu-check: setup  ## lesson 3 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
+	$(PY) tools/gpu_check.py
+
+kaggle: setup  ## regenerate kaggle/ddp_t4x2.ipynb from ddp_scripts/ (a test fails when it is stale)
+	$(PY) tools/build_kaggle_notebook.py
 
 figures: setup  ## redraw the figures that do not need a benchmark run
 	$(PY) tools/draw_ddp_diagram.py

@@ -321,6 +321,9 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
+    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+                         f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "

@@ -5,7 +5,8 @@ Rows (ConvNet, same number of optimizer steps, batch 64 per process):
   single x all cores      mnist_single.py --threads-per-proc <cores>
   DDP N x 1 thread        mnist_ddp_cpu.py --nprocs N --threads-per-proc 1
   DDP N x all cores       mnist_ddp_cpu.py --nprocs N --threads-per-proc <cores>  (oversubscribed)
-plus the input pipeline alone: torchvision's per-image PIL transforms vs tensors decoded once.
+plus the input pipeline alone: torchvision's per-image PIL transforms vs tensors decoded once,
+and, when CUDA GPUs are visible, mnist_ddp_gpu.py (NCCL) on 1 GPU and on all of them.
 
 Each configuration runs --repeats times, interleaved; the median images/s is reported.
 Writes build/bench/cpu.json and figures/ddp_cpu_speedup.png.
@@ -76,6 +77,25 @@ def input_pipeline_rates(data_dir, dataset, n_batches=200, batch=64):
             next(loader)
         rates[name] = n_batches * batch / (time.perf_counter() - start)
     return rates
+
+
+def gpu_rates(common, repeats):
+    """mnist_ddp_gpu.py on 1 GPU and on every visible GPU (NCCL), or a line saying why not."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        print("\nGPU rows skipped: no CUDA device is visible on this machine")
+        return []
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+    print(f"\nGPUs: {names}")
+    rows = []
+    for n in sorted({1, gpus}):
+        runs = [run_training("mnist_ddp_gpu.py", ["--nprocs", str(n)], common) for _ in range(repeats)]
+        rows.append({"name": f"DDP {n} GPU(s), NCCL", "images_per_second": statistics.median(runs),
+                     "runs": runs})
+    for row in rows:
+        ratio = row["images_per_second"] / rows[0]["images_per_second"]
+        print(f"{row['name']:<42} {row['images_per_second']:>10,.0f} {ratio:>7.2f}x vs 1 GPU")
+    return rows
 
 
 def plot(rows, machine, out):
@@ -156,9 +176,12 @@ def main():
     for name, rate in pipeline.items():
         print(f"  {name:<28} {rate:>10,.0f} images/s")
 
+    gpu_rows = gpu_rates(common, args.repeats)
+
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine, "dataset": dataset, "steps": args.steps,
-                                     "rows": rows, "input_pipeline": pipeline}, indent=2))
+                                     "rows": rows, "input_pipeline": pipeline, "gpu_rows": gpu_rows},
+                                    indent=2))
     plot(rows, machine, args.figure)
     print(f"\nwrote {args.json.relative_to(REPO)} and {args.figure.relative_to(REPO)}")
 

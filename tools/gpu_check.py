@@ -1,0 +1,80 @@
+"""GPU check for lesson 3, a few minutes on whatever GPUs are present (make gpu-check).
+
+Runs ddp_scripts/mnist_ddp_gpu.py for one epoch of the ConvNet with NCCL: on 1 GPU, and on 2 when
+there are two or more, each with --amp off, bf16 and fp16; checks the test accuracy and prints
+images/s. Exits non-zero when a run fails or learns too little, or when no GPU is visible.
+
+    python tools/gpu_check.py [--data-dir data] [--epochs 1]
+
+On a machine without internet, the data must already be in --data-dir (MNIST or Fashion-MNIST in
+torchvision's layout; `make setup` prepares Fashion-MNIST where Debian's package is available).
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+# Test accuracy one epoch of the ConvNet must reach (it reaches about 0.98 and 0.85 on CPU).
+MIN_ACCURACY = {"mnist": 0.95, "fashion-mnist": 0.80}
+
+
+def run(nprocs, amp, args, dataset):
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.json"
+        cmd = [sys.executable, str(REPO / "ddp_scripts" / "mnist_ddp_gpu.py"), "--nprocs", str(nprocs),
+               "--amp", amp, "--epochs", str(args.epochs), "--dataset", dataset,
+               "--data-dir", args.data_dir, "--quiet", "--metrics-json", str(metrics)]
+        start = time.perf_counter()
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        wall = time.perf_counter() - start
+        if result.returncode != 0:
+            return {"ok": False, "error": (result.stderr.strip().splitlines() or ["?"])[-1], "wall": wall}
+        epoch = json.loads(metrics.read_text())["epochs"][-1]
+        return {"ok": epoch["test_accuracy"] >= MIN_ACCURACY[dataset], "wall": wall,
+                "accuracy": epoch["test_accuracy"], "images_per_second": epoch["images_per_second"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=str, default=str(REPO / "data"))
+    parser.add_argument("--epochs", type=int, default=1)
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        sys.exit("gpu-check: no CUDA device is visible here (nvidia-smi, CUDA_VISIBLE_DEVICES); "
+                 "the CPU parts of lesson 3 are covered by make test")
+
+    sys.path.insert(0, str(REPO / "ddp_scripts"))
+    import mnist_single
+
+    dataset = mnist_single.prepare_data("auto", args.data_dir, verbose=False)
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+    print(f"gpu-check: {gpus} GPU(s): {names}; torch {torch.__version__}; dataset {dataset}", flush=True)
+    worlds = [1, 2] if gpus >= 2 else [1]
+    amps = ["off", "bf16", "fp16"] if torch.cuda.get_device_capability(0) >= (8, 0) else ["off", "fp16"]
+    results = {}
+    for world in worlds:
+        for amp in amps:
+            r = results[(world, amp)] = run(world, amp, args, dataset)
+            status = "ok  " if r["ok"] else "FAIL"
+            detail = (f"accuracy {r['accuracy']:.2%}, {r['images_per_second']:>9,.0f} images/s"
+                      if "accuracy" in r else r["error"])
+            print(f"  {status} {world} GPU(s), amp {amp:<4}  {detail}  ({r['wall']:.0f} s with start-up)",
+                  flush=True)
+    if len(worlds) == 2 and results[(1, "off")]["ok"] and results[(2, "off")]["ok"]:
+        ratio = results[(2, "off")]["images_per_second"] / results[(1, "off")]["images_per_second"]
+        print(f"  2 GPUs vs 1 GPU (amp off): {ratio:.2f}x images/s")
+    failed = [k for k, r in results.items() if not r["ok"]]
+    if failed:
+        sys.exit(f"gpu-check: {len(failed)} run(s) failed: {failed}")
+    print("gpu-check: all runs passed")
+
+
+if __name__ == "__main__":
+    main()
