@@ -4,16 +4,19 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# Prebuilt wheels (torch-scatter, torch-sparse for lesson 4) when this folder exists; else PyPI.
+# Prebuilt wheels (torch-scatter, torch-sparse for lesson 4) when this folder exists; else they
+# are built from PyPI's sources (about 30 minutes on 2 cores).
 WHEELS := ../shared/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
 .PHONY: setup demo test notebooks bench gpu-check kaggle figures clean
 
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-graph.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check \
 		-r requirements-dev.txt -c constraints.txt $(FIND_LINKS)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation \
+		-r requirements-graph.txt -c constraints.txt $(FIND_LINKS)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## virtual environment, packages, offline dataset fallback

@@ -1,0 +1,415 @@
+"""Lesson 4: a GCN trained on sampled neighbourhoods (PyG's NeighborLoader) under DistributedDataParallel.
+
+    python gcn_ddp.py --nprocs 2 --device cpu                 # Gloo on CPU cores
+    python gcn_ddp.py --amp off                               # NCCL, one process per visible GPU
+    python gcn_ddp.py --nprocs 1 --device cpu                 # the single-process baseline
+    torchrun --nproc-per-node 2 gcn_ddp.py --device cpu       # or let torchrun launch them
+
+Self-contained: copy it anywhere, it needs torch and torch_geometric, with pyg-lib or
+torch-sparse for the neighbour sampler (tqdm optional). Compare it with mnist_ddp_gpu.py.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the progress bar is optional
+
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+class UsageError(Exception):
+    """Something the user can fix: reported in one line, without a traceback."""
+
+
+SAMPLER_HELP = ("NeighborLoader needs pyg-lib or torch-sparse: pip install torch_geometric pyg_lib "
+                "-f https://data.pyg.org/whl/torch-<version>+<cpu|cu1xx>.html (or, from source: "
+                "pip install --no-build-isolation torch-scatter torch-sparse)")
+
+
+# PyG warns, once per rank, that torch-sparse's sampler is deprecated in favour of pyg-lib; both work.
+warnings.filterwarnings("ignore", message=".*without a 'pyg-lib' installation")
+
+
+def check_sampler():
+    try:
+        import torch_geometric.typing as pyg_typing
+    except ImportError:
+        raise UsageError("torch_geometric is not installed: pip install torch_geometric") from None
+    if not (pyg_typing.WITH_PYG_LIB or pyg_typing.WITH_TORCH_SPARSE):
+        raise UsageError(SAMPLER_HELP)
+
+
+# --------------------------------------------------------------------------- data
+def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
+    """A graph a GCN can learn from: communities (mostly same-class edges), skewed degrees
+    (a few hubs, many leaves), and features that are a weak class signal plus noise."""
+    from torch_geometric.data import Data
+    from torch_geometric.utils import coalesce, to_undirected
+
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, num_classes, (num_nodes,), generator=g)
+    # out-degrees from a log-normal: median 6, a long tail of hubs (capped at 300)
+    degree = torch.empty(num_nodes).log_normal_(mean=1.8, std=1.0, generator=g).clamp(1, 300).long()
+    src = torch.repeat_interleave(torch.arange(num_nodes), degree)
+    # 60% of edges stay inside the source's class, the rest go anywhere
+    by_class = torch.argsort(y)
+    class_start = torch.searchsorted(y[by_class], torch.arange(num_classes))
+    class_size = torch.bincount(y, minlength=num_classes)
+    pick = (torch.rand(len(src), generator=g) * class_size[y[src]]).long()
+    dst = by_class[class_start[y[src]] + pick]
+    anywhere = torch.rand(len(src), generator=g) < 0.4
+    dst[anywhere] = torch.randint(0, num_nodes, (int(anywhere.sum()),), generator=g)
+    keep = src != dst
+    edge_index = coalesce(to_undirected(torch.stack([src[keep], dst[keep]]), num_nodes=num_nodes))
+    centroids = torch.randn(num_classes, num_features, generator=g)
+    x = 0.12 * centroids[y] + torch.randn(num_nodes, num_features, generator=g)
+    perm = torch.randperm(num_nodes, generator=g)
+    n_train, n_val = int(0.6 * num_nodes), int(0.2 * num_nodes)
+    data = Data(x=x, edge_index=edge_index, y=y, num_nodes=num_nodes)
+    split = {"train": perm[:n_train], "val": perm[n_train:n_train + n_val],
+             "test": perm[n_train + n_val:]}
+    return data, split, "accuracy"
+
+
+def load_dataset(args):
+    """The graph, its node splits and its metric. Only synthetic so far (see the lesson's notes)."""
+    if args.dataset != "synthetic":
+        raise UsageError(f"--dataset {args.dataset} is not available yet: use --dataset synthetic")
+    return synthetic_graph(args.num_nodes, seed=args.seed)
+
+
+def prepare_graph(data):
+    """Sort edges by target once, so that each rank's sampler reads them in place (CSC) instead of
+    building its own sorted copy, and put every tensor in shared memory: spawned ranks then map
+    the launcher's single copy instead of holding one each."""
+    from torch_geometric.utils import sort_edge_index
+
+    data.edge_index = sort_edge_index(data.edge_index, num_nodes=data.num_nodes, sort_by_row=False)
+    for key, value in data:
+        if torch.is_tensor(value):
+            value.share_memory_()
+    return data
+
+
+def rank_chunk(train_idx, epoch, rank, world_size, seed, shuffle=True):
+    """This rank's training seeds for this epoch: one shared shuffle (same seed on every rank),
+    cut into equal chunks. The floor drops at most world_size - 1 nodes, and equal chunks mean
+    equal batch counts: a rank with one batch more would wait forever in its all-reduce."""
+    order = train_idx
+    if shuffle:
+        order = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed + epoch))]
+    per_rank = len(order) // world_size
+    return order[rank * per_rank:(rank + 1) * per_rank]
+
+
+# --------------------------------------------------------------------------- model
+class GCN(nn.Module):
+    """Two GCNConv layers with ReLU and dropout between them: two hops of neighbourhood."""
+
+    def __init__(self, in_dim, hidden, out_dim, dropout=0.5):
+        super().__init__()
+        from torch_geometric.nn import GCNConv
+
+        self.conv1 = GCNConv(in_dim, hidden)
+        self.conv2 = GCNConv(hidden, out_dim)
+        self.dropout = dropout
+
+    def forward(self, x, edge_index):
+        x = F.relu(self.conv1(x, edge_index))
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return self.conv2(x, edge_index)
+
+
+# --------------------------------------------------------------------------- training
+@torch.no_grad()
+def evaluate(model, data, sampler, idx, args, device, rank, world_size):
+    """Metric over idx: each rank scores every world_size-th node, the sums are all-reduced."""
+    from torch_geometric.loader import NeighborLoader
+
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # correct, count
+    loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
+                            batch_size=1024, neighbor_sampler=sampler, num_workers=args.num_workers)
+    for batch in loader:
+        batch = batch.to(device, non_blocking=True)
+        out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
+        totals[0] += (out.argmax(1) == batch.y[:batch.batch_size]).sum()
+        totals[1] += batch.batch_size
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # SUM, then divide
+    model.train()
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def train(rank, local_rank, world_size, data, split, metric, args):
+    from torch_geometric.loader import NeighborLoader
+    from torch_geometric.sampler import NeighborSampler
+
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    num_classes = int(data.y.max()) + 1
+
+    # 2. The model on this rank's device, wrapped; the same seed gives every rank the same start.
+    torch.manual_seed(args.seed)
+    model = GCN(data.num_features, args.hidden, num_classes).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    torch.manual_seed(args.seed + rank)  # dropout differs per rank
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    # 3. One sampler per rank over the shared graph (edges already sorted: no copy); sampling
+    #    runs on the CPU, the sampled batch then moves to the GPU.
+    sampler = NeighborSampler(data, num_neighbors=args.num_neighbors, is_sorted=True)
+
+    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
+    log(f"training GCN on {args.dataset} ({data.num_nodes:,} nodes, {data.num_edges:,} edges): "
+        f"{world_size} process(es) on {device.type} ({args.backend}), batch {args.batch_size} seed nodes "
+        f"per process, fan-out {args.num_neighbors}", flush=True)
+    history, steps, start = [], 0, time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        chunk = rank_chunk(split["train"], epoch, rank, world_size, args.seed, not args.no_shuffle)
+        loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=chunk,
+                                batch_size=args.batch_size, neighbor_sampler=sampler,
+                                num_workers=args.num_workers)
+        epoch_start = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        seeds, sampled = 0, 0
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
+                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        for batch in bar:
+            batch = batch.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            out = model(batch.x, batch.edge_index)
+            # The loss covers the seed nodes only: the first batch_size rows. The sampled
+            # neighbours are there to feed the convolutions, not to be trained on (they would
+            # also leak validation and test nodes into training).
+            loss = F.cross_entropy(out[:batch.batch_size], batch.y[:batch.batch_size])
+            loss.backward()  # 4. DDP averages the gradients across ranks here
+            optimizer.step()
+            loss_sum += loss.detach() * batch.batch_size
+            seeds += batch.batch_size
+            sampled += batch.num_nodes
+            steps += 1
+            if steps == args.max_steps:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - epoch_start
+
+        # 5. Evaluate across ranks, then gather the training totals of all ranks.
+        val = evaluate(model.module, data, sampler, split["val"], args, device, rank, world_size)
+        test = evaluate(model.module, data, sampler, split["test"], args, device, rank, world_size)
+        totals = torch.stack([loss_sum, torch.tensor(float(seeds), dtype=torch.float64, device=device),
+                              torch.tensor(float(sampled), dtype=torch.float64, device=device)])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        train_loss = (totals[0] / totals[1]).item()
+        history.append({"epoch": epoch, "train_loss": train_loss, "val_metric": val, "test_metric": test,
+                        "seconds": seconds, "sampled_nodes_per_second": totals[2].item() / seconds,
+                        "seed_nodes": int(totals[1]), "steps": steps})
+        log(f"epoch {epoch}: train loss {train_loss:.4f}  val {metric} {val:.2%}  test {metric} "
+            f"{test:.2%}  {seconds:.1f} s  {totals[2].item() / seconds:,.0f} sampled nodes/s", flush=True)
+        dist.barrier()  # 6. everyone has finished this epoch before anyone starts the next
+        if steps == args.max_steps:
+            break
+
+    # 7. Print and save on rank 0 only.
+    if rank == 0:
+        last = history[-1]
+        print(f"done: GCN on {args.dataset}, {world_size} process(es), {steps} steps, test {metric} "
+              f"{last['test_metric']:.2%}, {last['sampled_nodes_per_second']:,.0f} sampled nodes/s, "
+              f"{time.perf_counter() - start:.1f} s in all", flush=True)
+        if args.save:
+            torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as f:
+                json.dump({"world_size": world_size, "model": "gcn", "dataset": args.dataset,
+                           "metric": metric, "batch_size": args.batch_size,
+                           "threads_per_proc": args.threads_per_proc, "device": args.device,
+                           "backend": args.backend, "epochs": history}, f, indent=2)
+
+
+# --------------------------------------------------------------------------- launching
+def free_port():
+    """A port for rank 0 to listen on: the user's MASTER_PORT if free, else one the OS picks."""
+    if "MASTER_PORT" in os.environ:
+        port = int(os.environ["MASTER_PORT"])
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+            except OSError:
+                raise UsageError(f"MASTER_PORT={port} is already in use: choose another port "
+                                 f"or unset MASTER_PORT to let the script pick a free one") from None
+        return port
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank, world_size, args, graph=None):
+    """What each process runs, whether spawned below (graph passed in shared memory) or started by
+    torchrun (graph loaded here, rank 0 first)."""
+    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    # 1. Join the process group (NCCL for GPUs, Gloo for CPUs), with a timeout on every collective.
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if graph is None:  # torchrun: rank 0 prepares (downloads, processes) first, then the others
+            if rank != 0:
+                dist.barrier()
+            graph = load_dataset(args)
+            if rank == 0:
+                dist.barrier()
+            prepare_graph(graph[0])
+        train(rank, local_rank, world_size, *graph, args)
+    except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
+        if rank == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        dist.destroy_process_group()  # 8. tear down, even after an error
+
+
+def check_device(args):
+    """Refuse, before any process starts, what cannot work; say what to do instead."""
+    check_sampler()
+    if len(args.num_neighbors) != 2:
+        raise UsageError(f"the GCN has 2 layers, so --num-neighbors takes 2 fan-outs (one per hop), "
+                         f"got {len(args.num_neighbors)}")
+    if args.device == "cpu":
+        if args.backend == "nccl":
+            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
+        return
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
+                         "to run on CPU instead: --device cpu")
+    if args.backend == "nccl" and not dist.is_nccl_available():
+        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
+                         "or use --backend gloo")
+    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
+    if procs > gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
+                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+
+
+def launch(args):
+    check_device(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # Started by torchrun: this process already is one rank.
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    # Started by hand: load the graph ONCE, here, into shared memory; the spawned ranks receive
+    # handles to it (torch.multiprocessing passes shared tensors without copying them).
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    data, split, metric = load_dataset(args)
+    prepare_graph(data)
+    for value in split.values():
+        value.share_memory_()
+    try:
+        mp.spawn(worker, args=(args.nprocs, args, (data, split, metric)), nprocs=args.nprocs, join=True)
+    except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
+        how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+        raise UsageError(f"worker {err.error_index} ended with {how}; the other workers were "
+                         f"stopped") from None
+    except mp.ProcessRaisedException as err:  # an unexpected exception: show its traceback
+        print(err, file=sys.stderr)
+        raise UsageError("a worker raised the exception above; the other workers were stopped") \
+            from None
+
+
+# --------------------------------------------------------------------------- command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        sys.exit(f"{self.prog}: error: {message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def fan_outs(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}") from None
+    if any(v == 0 or v < -1 for v in values):
+        raise argparse.ArgumentTypeError("each fan-out is a positive count, or -1 for all neighbours")
+    return values
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["gcn"], default="gcn")
+    p.add_argument("--dataset", choices=["synthetic"], default="synthetic")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--num-nodes", type=positive(int), default=100_000, help="synthetic graph size")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=512, help="seed nodes per process")
+    p.add_argument("--lr", type=positive(float), default=0.005)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed seed-node order")
+    p.add_argument("--num-neighbors", type=fan_outs, default=[15, 10],
+                   help="neighbours sampled per node at each hop, e.g. 15,10")
+    p.add_argument("--hidden", type=positive(int), default=128)
+    p.add_argument("--num-workers", type=int, default=0, help="sampling worker processes per rank")
+    p.add_argument("--nprocs", type=positive(int), default=None,
+                   help="processes to spawn (default: one per visible GPU, 2 on CPU)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with --device cuda, gloo with --device cpu")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--timeout", type=positive(int), default=300,
+                   help="seconds any collective may wait for the other ranks before failing")
+    args = p.parse_args(argv)
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.nprocs is None:
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        args.nprocs = gpus or 2
+    if args.threads_per_proc is None:
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
+        args.threads_per_proc = max(1, cpu_cores() // procs)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        launch(args)
+    except UsageError as err:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Lesson 4 (in progress): the GCN under DDP on a synthetic graph, per-rank seed chunks, refusals."""
+import time
+
+import pytest
+import torch
+from conftest import load_script, read_metrics, run_script
+
+pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
+gcn = load_script("gcn_ddp")
+CPU = ["--device", "cpu"]
+SMALL = ["--num-nodes", 6000, "--batch-size", 256, "--hidden", 64]
+
+
+def test_two_ranks_learn_on_the_synthetic_graph(tmp_path):
+    out = tmp_path / "m.json"
+    r = run_script("gcn_ddp.py", *CPU, "--nprocs", 2, *SMALL, "--epochs", 3, "--metrics-json", out)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("done:") == 1
+    metrics = read_metrics(out)
+    assert (metrics["world_size"], metrics["metric"], metrics["dataset"]) == (2, "accuracy", "synthetic")
+    epochs = metrics["epochs"]
+    losses = [e["train_loss"] for e in epochs]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert epochs[-1]["test_metric"] > 3 / 16  # 16 classes: chance is 1/16
+    assert all(e["sampled_nodes_per_second"] > 0 and e["seconds"] > 0 for e in epochs)
+    # every rank got 6000 * 0.6 // 2 = 1800 seed nodes per epoch
+    assert epochs[0]["seed_nodes"] == 2 * (3600 // 2)
+
+
+def test_three_ranks_with_a_node_count_that_does_not_divide(tmp_path):
+    out = tmp_path / "m.json"
+    # 5003 nodes: 3001 training seeds, not a multiple of 3, nor of the batch size
+    r = run_script("gcn_ddp.py", *CPU, "--nprocs", 3, "--num-nodes", 5003, "--batch-size", 100,
+                   "--hidden", 32, "--timeout", 60, "--metrics-json", out, timeout=180)
+    assert r.returncode == 0, r.stderr
+    (epoch,) = read_metrics(out)["epochs"]
+    assert epoch["seed_nodes"] == 3 * (3001 // 3)
+    assert epoch["steps"] == -(-(3001 // 3) // 100)  # ceil: the same on every rank
+
+
+def test_rank_chunks_are_disjoint_equal_and_cover_the_floor():
+    train = torch.randperm(1003)[:1001]
+    for world in (1, 2, 3, 4):
+        chunks = [gcn.rank_chunk(train, epoch=1, rank=r, world_size=world, seed=7) for r in range(world)]
+        assert {len(c) for c in chunks} == {1001 // world}
+        joined = torch.cat(chunks)
+        assert len(joined.unique()) == len(joined) == world * (1001 // world)
+        assert set(joined.tolist()) <= set(train.tolist())
+    # the same shuffle on every rank for a given epoch, a different one the next epoch
+    again = gcn.rank_chunk(train, epoch=1, rank=0, world_size=2, seed=7)
+    assert torch.equal(again, gcn.rank_chunk(train, epoch=1, rank=0, world_size=2, seed=7))
+    assert not torch.equal(again, gcn.rank_chunk(train, epoch=2, rank=0, world_size=2, seed=7))
+    assert torch.equal(gcn.rank_chunk(train, 1, 0, 2, 7, shuffle=False), train[:500])
+
+
+def test_synthetic_graph_is_deterministic_and_has_skewed_degrees():
+    a, split_a, _ = gcn.synthetic_graph(3000, seed=1)
+    b, split_b, _ = gcn.synthetic_graph(3000, seed=1)
+    assert torch.equal(a.edge_index, b.edge_index) and torch.equal(a.x, b.x)
+    assert torch.equal(split_a["test"], split_b["test"])
+    degree = torch.bincount(a.edge_index[1], minlength=3000).float()
+    assert degree.max() > 8 * degree.median()  # hubs
+    same = (a.y[a.edge_index[0]] == a.y[a.edge_index[1]]).float().mean()
+    assert 0.5 < same < 0.8  # communities, not cliques
+
+
+def refused(monkeypatch, argv, gpus=0, sampler=True):
+    monkeypatch.setattr(gcn.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(gcn.torch.cuda, "device_count", lambda: gpus)
+    import torch_geometric.typing as pyg_typing
+
+    monkeypatch.setattr(pyg_typing, "WITH_PYG_LIB", sampler and pyg_typing.WITH_PYG_LIB)
+    monkeypatch.setattr(pyg_typing, "WITH_TORCH_SPARSE", sampler and pyg_typing.WITH_TORCH_SPARSE)
+    monkeypatch.setattr(gcn.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
+    monkeypatch.delenv("RANK", raising=False)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        gcn.main(argv)
+    assert time.monotonic() - start < 5
+    message = str(info.value.code)
+    assert "\n" not in message and "error" in message
+    return message
+
+
+def test_missing_sampler_library_is_refused_with_the_command(monkeypatch):
+    message = refused(monkeypatch, CPU, sampler=False)
+    assert "pyg-lib or torch-sparse" in message and "pip install" in message
+
+
+def test_more_gpu_ranks_than_gpus_is_refused(monkeypatch):
+    assert "3 processes but 2 visible GPU(s)" in refused(monkeypatch, ["--nprocs", "3"], gpus=2)
+
+
+def test_fan_outs_must_match_the_layers(monkeypatch):
+    assert "2 fan-outs" in refused(monkeypatch, [*CPU, "--num-neighbors", "15,10,5"])
+
+
+@pytest.mark.parametrize("args", [["--dataset", "cora"], ["--num-neighbors", "ten"], ["--nprocs", "0"]])
+def test_bad_flags(args):
+    r = run_script("gcn_ddp.py", *args, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
