@@ -112,7 +112,8 @@ def rank_chunk(train_idx, epoch, rank, world_size, seed, shuffle=True):
     equal batch counts: a rank with one batch more would wait forever in its all-reduce."""
     order = train_idx
     if shuffle:
-        order = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed + epoch))]
+        shared = torch.Generator().manual_seed(seed + epoch)
+        order = train_idx[torch.randperm(len(train_idx), generator=shared)]
     per_rank = len(order) // world_size
     return order[rank * per_rank:(rank + 1) * per_rank]
 

@@ -38,7 +38,8 @@ print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdou
 GPUS = torch.cuda.device_count()
 print(f"torch {torch.__version__}, {GPUS} GPU(s) visible")
 if GPUS < 2:
-    raise SystemExit("This notebook needs two GPUs: Settings -> Accelerator -> 'GPU T4 x2', then run again.")"""
+    raise SystemExit("This notebook needs two GPUs: "
+                     "Settings -> Accelerator -> 'GPU T4 x2', then run again.")"""
 
 INSTALL = """\
 # Kaggle's image ships torch and torchvision: install only what is missing, never torch itself.
