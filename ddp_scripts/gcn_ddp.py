@@ -41,8 +41,10 @@ SAMPLER_HELP = ("NeighborLoader needs pyg-lib or torch-sparse: pip install torch
                 "pip install --no-build-isolation torch-scatter torch-sparse)")
 
 
-# PyG warns, once per rank, that torch-sparse's sampler is deprecated in favour of pyg-lib; both work.
+# Quiet two library warnings that every rank would print: PyG's, that torch-sparse's sampler is
+# deprecated in favour of pyg-lib (both work), and torch's, about torch.jit.script in torch-sparse.
 warnings.filterwarnings("ignore", message=".*without a 'pyg-lib' installation")
+warnings.filterwarnings("ignore", message=".*torch.jit.script. is deprecated")
 
 
 def check_sampler():
@@ -86,10 +88,44 @@ def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
     return data, split, "accuracy"
 
 
+def amazon_products(data_dir):
+    """PyG's AmazonProducts (1,569,960 nodes, 200 features, 107 classes, multi-label): downloaded
+    into data_dir/AmazonProducts/raw on first use, then processed once into processed/data.pt."""
+    from torch_geometric.datasets import AmazonProducts
+
+    root = os.path.join(data_dir, "AmazonProducts")
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)  # offline: fail in seconds, not minutes
+    try:
+        data = AmazonProducts(root)[0]
+    except (OSError, RuntimeError) as err:  # URLError is an OSError
+        raise UsageError(f"AmazonProducts is not in {root}/raw and could not be downloaded "
+                         f"({type(err).__name__}; offline?): run once online, or use --dataset "
+                         f"synthetic") from None
+    finally:
+        socket.setdefaulttimeout(previous)
+    split = {name: data[f"{name}_mask"].nonzero().view(-1) for name in ("train", "val", "test")}
+    data = data.__class__(x=data.x, edge_index=data.edge_index, y=data.y.float(), num_nodes=data.num_nodes)
+    return data, split, "micro_f1"
+
+
+def have_amazon_products(data_dir):
+    root = os.path.join(data_dir, "AmazonProducts")
+    return os.path.exists(os.path.join(root, "processed", "data.pt")) or all(
+        os.path.exists(os.path.join(root, "raw", f))
+        for f in ("adj_full.npz", "feats.npy", "class_map.json", "role.json"))
+
+
 def load_dataset(args):
-    """The graph, its node splits and its metric. Only synthetic so far (see the lesson's notes)."""
-    if args.dataset != "synthetic":
-        raise UsageError(f"--dataset {args.dataset} is not available yet: use --dataset synthetic")
+    """The graph, its node splits and its metric name."""
+    if args.dataset == "auto":  # a real graph only if it is already on disk: it is gigabytes
+        args.dataset = "amazon-products" if have_amazon_products(args.data_dir) else "synthetic"
+        if args.dataset == "synthetic" and not args.quiet and int(os.environ.get("RANK", 0)) == 0:
+            print(f"AmazonProducts is not in {args.data_dir}: using a synthetic graph of "
+                  f"{args.num_nodes:,} nodes (--dataset amazon-products downloads the real one)",
+                  flush=True)
+    if args.dataset == "amazon-products":
+        return amazon_products(args.data_dir)
     return synthetic_graph(args.num_nodes, seed=args.seed)
 
 
@@ -137,23 +173,46 @@ class GCN(nn.Module):
 
 
 # --------------------------------------------------------------------------- training
+def loss_fn(out, y):
+    """Cross-entropy for one label per node; binary cross-entropy per class for multi-label y."""
+    if y.dim() == 2:
+        return F.binary_cross_entropy_with_logits(out, y)
+    return F.cross_entropy(out, y)
+
+
+def metric_sums(out, y):
+    """Counts that add up across batches and ranks: [correct, total, 0] for accuracy,
+    [true positives, false positives, false negatives] for micro-F1 (multi-label)."""
+    if y.dim() == 2:
+        pred, y = out > 0, y > 0.5
+        return torch.stack([(pred & y).sum(), (pred & ~y).sum(), (~pred & y).sum()]).double()
+    correct = (out.argmax(1) == y).sum().double()
+    return torch.stack([correct, correct.new_tensor(len(y)), correct.new_tensor(0)])
+
+
+def metric_value(totals, multi_label):
+    if multi_label:
+        tp, fp, fn = totals
+        return (2 * tp / (2 * tp + fp + fn).clamp(min=1)).item()
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
 @torch.no_grad()
 def evaluate(model, data, sampler, idx, args, device, rank, world_size):
     """Metric over idx: each rank scores every world_size-th node, the sums are all-reduced."""
     from torch_geometric.loader import NeighborLoader
 
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # correct, count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
                             batch_size=1024, neighbor_sampler=sampler, num_workers=args.num_workers)
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
-        totals[0] += (out.argmax(1) == batch.y[:batch.batch_size]).sum()
-        totals[1] += batch.batch_size
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # SUM, then divide
+        totals += metric_sums(out, batch.y[:batch.batch_size])
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # SUM, then compute the metric once
     model.train()
-    return (totals[0] / totals[1].clamp(min=1)).item()
+    return metric_value(totals, data.y.dim() == 2)
 
 
 def train(rank, local_rank, world_size, data, split, metric, args):
@@ -162,7 +221,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
 
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    num_classes = int(data.y.max()) + 1
+    num_classes = data.y.size(1) if data.y.dim() == 2 else int(data.y.max()) + 1
 
     # 2. The model on this rank's device, wrapped; the same seed gives every rank the same start.
     torch.manual_seed(args.seed)
@@ -197,7 +256,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
             # The loss covers the seed nodes only: the first batch_size rows. The sampled
             # neighbours are there to feed the convolutions, not to be trained on (they would
             # also leak validation and test nodes into training).
-            loss = F.cross_entropy(out[:batch.batch_size], batch.y[:batch.batch_size])
+            loss = loss_fn(out[:batch.batch_size], batch.y[:batch.batch_size])
             loss.backward()  # 4. DDP averages the gradients across ranks here
             optimizer.step()
             loss_sum += loss.detach() * batch.batch_size
@@ -366,7 +425,8 @@ def fan_outs(text):
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["gcn"], default="gcn")
-    p.add_argument("--dataset", choices=["synthetic"], default="synthetic")
+    p.add_argument("--dataset", choices=["auto", "synthetic", "amazon-products"], default="auto",
+                   help="auto: AmazonProducts if already in --data-dir, else synthetic")
     p.add_argument("--data-dir", type=str, default="data")
     p.add_argument("--num-nodes", type=positive(int), default=100_000, help="synthetic graph size")
     p.add_argument("--epochs", type=positive(int), default=1)
