@@ -31,8 +31,9 @@ test: setup  ## the whole test suite (what .ci/run runs)
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
 	$(PY) tools/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
-bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/)
+bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/ and build/bench/)
 	$(PY) tools/bench.py
+	$(PY) tools/bench_gcn.py
 
 gpu-check: setup  ## lesson 3 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
 	$(PY) tools/gpu_check.py
