@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,22 @@ def run_script(script, *args, timeout=240, env=None, launcher=None):
     command = [sys.executable] + (launcher or []) + [str(SCRIPTS / script)] + [str(a) for a in args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=env or script_env(), cwd=REPO)
+
+
+def refused_before_spawn(module, monkeypatch, argv, gpus):
+    """Run a script's main() in-process with `gpus` faked GPUs: it must refuse in one line, within
+    seconds, before anything is spawned. Returns the message."""
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(module.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(module.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
+    monkeypatch.delenv("RANK", raising=False)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    assert time.monotonic() - start < 5
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "error" in message
+    return message
 
 
 def read_metrics(path):

@@ -1,9 +1,8 @@
 """Lesson 4 (in progress): the GCN under DDP on a synthetic graph, per-rank seed chunks, refusals."""
-import time
 
 import pytest
 import torch
-from conftest import load_script, read_metrics, run_script, script_env
+from conftest import load_script, read_metrics, refused_before_spawn, run_script, script_env
 
 pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
 gcn = load_script("gcn_ddp")
@@ -67,21 +66,11 @@ def test_synthetic_graph_is_deterministic_and_has_skewed_degrees():
 
 
 def refused(monkeypatch, argv, gpus=0, sampler=True):
-    monkeypatch.setattr(gcn.torch.cuda, "is_available", lambda: gpus > 0)
-    monkeypatch.setattr(gcn.torch.cuda, "device_count", lambda: gpus)
     import torch_geometric.typing as pyg_typing
 
     monkeypatch.setattr(pyg_typing, "WITH_PYG_LIB", sampler and pyg_typing.WITH_PYG_LIB)
     monkeypatch.setattr(pyg_typing, "WITH_TORCH_SPARSE", sampler and pyg_typing.WITH_TORCH_SPARSE)
-    monkeypatch.setattr(gcn.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
-    monkeypatch.delenv("RANK", raising=False)
-    start = time.monotonic()
-    with pytest.raises(SystemExit) as info:
-        gcn.main(argv)
-    assert time.monotonic() - start < 5
-    message = str(info.value.code)
-    assert "\n" not in message and "error" in message
-    return message
+    return refused_before_spawn(gcn, monkeypatch, argv, gpus)
 
 
 def test_missing_sampler_library_is_refused_with_the_command(monkeypatch):

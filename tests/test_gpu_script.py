@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from conftest import load_script, read_metrics, run_script, script_env
+from conftest import load_script, read_metrics, refused_before_spawn, run_script, script_env
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -35,20 +35,9 @@ def test_cpu_fallback_under_torchrun(tmp_path, data_args):
 
 
 def refused_in_process(monkeypatch, argv, gpus, nccl=True):
-    """Run main() with a faked GPU count: the refusal must come before anything is spawned."""
     gpu = load_script("mnist_ddp_gpu")
-    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: gpus > 0)
-    monkeypatch.setattr(gpu.torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(gpu.dist, "is_nccl_available", lambda: nccl)
-    monkeypatch.setattr(gpu.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
-    monkeypatch.delenv("RANK", raising=False)
-    start = time.monotonic()
-    with pytest.raises(SystemExit) as exit_info:
-        gpu.main(argv)
-    assert time.monotonic() - start < 5
-    message = str(exit_info.value.code)
-    assert "\n" not in message and "error" in message
-    return message
+    return refused_before_spawn(gpu, monkeypatch, argv, gpus)
 
 
 def test_more_processes_than_gpus_is_refused(monkeypatch, tmp_path):
