@@ -281,7 +281,9 @@ def train(rank, local_rank, world_size, data, split, metric, args):
                         "seed_nodes": int(totals[1]), "steps": steps})
         log(f"epoch {epoch}: train loss {train_loss:.4f}  val {metric} {val:.2%}  test {metric} "
             f"{test:.2%}  {seconds:.1f} s  {totals[2].item() / seconds:,.0f} sampled nodes/s", flush=True)
-        dist.barrier()  # 6. everyone has finished this epoch before anyone starts the next
+        # 6. Everyone has finished this epoch before anyone starts the next. NCCL's barrier is a
+        #    tiny all-reduce on a GPU: name this rank's, or torch guesses from the current device.
+        dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
             break
 
@@ -330,11 +332,12 @@ def worker(rank, world_size, args, graph=None):
                             timeout=timedelta(seconds=args.timeout))
     try:
         if graph is None:  # torchrun: rank 0 prepares (downloads, processes) first, then the others
+            device_ids = [local_rank] if args.backend == "nccl" else None
             if rank != 0:
-                dist.barrier()
+                dist.barrier(device_ids=device_ids)
             graph = load_dataset(args)
             if rank == 0:
-                dist.barrier()
+                dist.barrier(device_ids=device_ids)
             prepare_graph(graph[0])
         train(rank, local_rank, world_size, *graph, args)
     except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1

@@ -233,7 +233,9 @@ def train(rank, local_rank, world_size, args):
         log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
             f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
             flush=True)
-        dist.barrier()  # 6. everyone has finished this epoch before anyone starts the next
+        # 6. Everyone has finished this epoch before anyone starts the next. NCCL's barrier is a
+        #    tiny all-reduce on a GPU: name this rank's, or torch guesses from the current device.
+        dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
             break
 

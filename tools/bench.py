@@ -11,7 +11,7 @@ and, when CUDA GPUs are visible, mnist_ddp_gpu.py (NCCL) on 1 GPU and on all of 
 Each configuration runs --repeats times, interleaved; the median images/s is reported.
 Writes build/bench/cpu.json and figures/ddp_cpu_speedup.png.
 
-    python tools/bench.py [--steps 200] [--repeats 5] [--nprocs <cores>]
+    python tools/bench.py [--steps 200] [--repeats 5] [--nprocs <cores>] [--gpu-only]
 """
 import argparse
 import json
@@ -131,6 +131,7 @@ def main():
     parser.add_argument("--figure", type=Path, default=REPO / "figures" / "ddp_cpu_speedup.png")
     parser.add_argument("--json", type=Path, default=REPO / "build" / "bench" / "cpu.json")
     parser.add_argument("--plot-only", action="store_true", help="redraw the figure from --json")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows; writes nothing")
     args = parser.parse_args()
     if args.plot_only:
         saved = json.loads(args.json.read_text())
@@ -144,6 +145,10 @@ def main():
     n, c = args.nprocs, cores()
     common = ["--model", "convnet", "--max-steps", str(args.steps), "--batch-size", "64",
               "--dataset", dataset, "--data-dir", args.data_dir, "--quiet"]
+    if args.gpu_only:
+        if not gpu_rates(common, args.repeats):
+            sys.exit(1)
+        return
     configs = [
         ("single x 1 thread", "mnist_single.py", ["--threads-per-proc", "1"]),
         (f"single x {c} threads", "mnist_single.py", ["--threads-per-proc", str(c)]),
