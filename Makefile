@@ -43,6 +43,7 @@ kaggle: setup  ## regenerate kaggle/ddp_t4x2.ipynb from ddp_scripts/ (a test fai
 
 figures: setup  ## redraw the figures that do not need a benchmark run
 	$(PY) tools/draw_ddp_diagram.py
+	$(PY) tools/draw_sampled_batch.py
 
 clean:
 	rm -rf build notebooks/output .pytest_cache

@@ -11,6 +11,7 @@ torch-sparse for the neighbour sampler (tqdm optional). Compare it with mnist_dd
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -45,6 +46,7 @@ SAMPLER_HELP = ("NeighborLoader needs pyg-lib or torch-sparse: pip install torch
 # deprecated in favour of pyg-lib (both work), and torch's, about torch.jit.script in torch-sparse.
 warnings.filterwarnings("ignore", message=".*without a 'pyg-lib' installation")
 warnings.filterwarnings("ignore", message=".*torch.jit.script. is deprecated")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # ogb's loader
 
 
 def check_sampler():
@@ -79,7 +81,7 @@ def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
     keep = src != dst
     edge_index = coalesce(to_undirected(torch.stack([src[keep], dst[keep]]), num_nodes=num_nodes))
     centroids = torch.randn(num_classes, num_features, generator=g)
-    x = 0.12 * centroids[y] + torch.randn(num_nodes, num_features, generator=g)
+    x = torch.randn(num_nodes, num_features, generator=g).add_(centroids.mul(0.12)[y])  # in place
     perm = torch.randperm(num_nodes, generator=g)
     n_train, n_val = int(0.6 * num_nodes), int(0.2 * num_nodes)
     data = Data(x=x, edge_index=edge_index, y=y, num_nodes=num_nodes)
@@ -116,14 +118,67 @@ def have_amazon_products(data_dir):
         for f in ("adj_full.npz", "feats.npy", "class_map.json", "role.json"))
 
 
+def ogbn_products(data_dir):
+    """OGB's ogbn-products (2,449,029 nodes, 100 features, 47 classes, one label per node) through
+    the ogb package: downloaded (1.4 GB) into data_dir/ogbn_products on first use, then processed
+    once into processed/geometric_data_processed.pt. Three quirks of ogb are handled here."""
+    sys.modules.setdefault("outdated", None)  # 1. skip ogb's import-time check of PyPI for a newer
+    try:                                      #    ogb: a thread without a timeout that can delay exit
+        import ogb.nodeproppred.dataset_pyg as ogb_pyg
+    except ImportError:
+        raise UsageError("--dataset ogbn-products needs the ogb package: pip install ogb") from None
+    from torch_geometric.data import Data
+
+    # 2. ogb asks on stdin before a download over 1 GB, and when an old copy lacks its RELEASE
+    #    file; ranks have no terminal. Asking for this dataset is the yes; an old copy is kept.
+    ogb_pyg.decide_download = lambda url: True
+    ogb_pyg.input = lambda prompt="": "n"
+    # 3. Its processed file holds PyG classes, which torch.load (weights_only, torch >= 2.6)
+    #    refuses unless they are allowed.
+    if hasattr(torch.serialization, "add_safe_globals"):
+        from torch_geometric.data.data import DataEdgeAttr, DataTensorAttr
+        from torch_geometric.data.storage import GlobalStorage
+
+        torch.serialization.add_safe_globals([DataEdgeAttr, DataTensorAttr, GlobalStorage])
+    root = os.path.join(data_dir, "ogbn_products")
+    existed = os.path.isdir(root)
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)  # offline: fail in seconds, not minutes
+    try:
+        dataset = ogb_pyg.PygNodePropPredDataset("ogbn-products", root=data_dir)
+    except (OSError, RuntimeError) as err:  # URLError is an OSError
+        if not existed:  # leave no half-made folder (ogb would later take it for an old release)
+            shutil.rmtree(root, ignore_errors=True)
+        raise UsageError(f"ogbn-products is not in {root} and could not be downloaded "
+                         f"({type(err).__name__}; offline?): run once online, or use --dataset "
+                         f"synthetic") from None
+    finally:
+        socket.setdefaulttimeout(previous)
+    data, idx = dataset[0], dataset.get_idx_split()
+    split = {"train": idx["train"], "val": idx["valid"], "test": idx["test"]}
+    data = Data(x=data.x, edge_index=data.edge_index, y=data.y.view(-1), num_nodes=data.num_nodes)
+    return data, split, "accuracy"
+
+
+def have_ogbn_products(data_dir):
+    root = os.path.join(data_dir, "ogbn_products")
+    return os.path.exists(os.path.join(root, "processed", "geometric_data_processed.pt")) or all(
+        os.path.exists(os.path.join(root, f))
+        for f in ("RELEASE_v1.txt", "raw/edge.csv.gz", "raw/node-feat.csv.gz", "raw/node-label.csv.gz",
+                  "split/sales_ranking/train.csv.gz"))
+
+
 def load_dataset(args):
     """The graph, its node splits and its metric name."""
     if args.dataset == "auto":  # a real graph only if it is already on disk: it is gigabytes
-        args.dataset = "amazon-products" if have_amazon_products(args.data_dir) else "synthetic"
+        args.dataset = ("ogbn-products" if have_ogbn_products(args.data_dir) else
+                        "amazon-products" if have_amazon_products(args.data_dir) else "synthetic")
         if args.dataset == "synthetic" and not args.quiet and int(os.environ.get("RANK", 0)) == 0:
-            print(f"AmazonProducts is not in {args.data_dir}: using a synthetic graph of "
-                  f"{args.num_nodes:,} nodes (--dataset amazon-products downloads the real one)",
+            print(f"neither ogbn-products nor AmazonProducts is in {args.data_dir}: using a synthetic "
+                  f"graph of {args.num_nodes:,} nodes (--dataset ogbn-products downloads a real one)",
                   flush=True)
+    if args.dataset == "ogbn-products":
+        return ogbn_products(args.data_dir)
     if args.dataset == "amazon-products":
         return amazon_products(args.data_dir)
     return synthetic_graph(args.num_nodes, seed=args.seed)
@@ -152,6 +207,12 @@ def rank_chunk(train_idx, epoch, rank, world_size, seed, shuffle=True):
         order = train_idx[torch.randperm(len(train_idx), generator=shared)]
     per_rank = len(order) // world_size
     return order[rank * per_rank:(rank + 1) * per_rank]
+
+
+def eval_subset(idx, limit, seed):
+    if limit is None or len(idx) <= limit:
+        return idx
+    return idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(seed))[:limit]]
 
 
 # --------------------------------------------------------------------------- model
@@ -204,8 +265,10 @@ def evaluate(model, data, sampler, idx, args, device, rank, world_size):
 
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
+    # Batches as big as in training: bigger ones would raise each rank's peak memory.
     loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
-                            batch_size=1024, neighbor_sampler=sampler, num_workers=args.num_workers)
+                            batch_size=args.batch_size, neighbor_sampler=sampler,
+                            num_workers=args.num_workers)
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
@@ -229,15 +292,23 @@ def train(rank, local_rank, world_size, data, split, metric, args):
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # Mixed precision, as in lesson 3: autocast for the forward pass, a scaler for fp16's range.
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     # 3. One sampler per rank over the shared graph (edges already sorted: no copy); sampling
     #    runs on the CPU, the sampled batch then moves to the GPU.
     sampler = NeighborSampler(data, num_neighbors=args.num_neighbors, is_sorted=True)
+    # Scoring millions of test nodes every epoch costs more than training on a big graph:
+    # --eval-nodes scores a fixed random subset (the same on every rank) instead.
+    eval_idx = {name: eval_subset(split[name], args.eval_nodes, args.seed) for name in ("val", "test")}
 
     log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     log(f"training GCN on {args.dataset} ({data.num_nodes:,} nodes, {data.num_edges:,} edges): "
-        f"{world_size} process(es) on {device.type} ({args.backend}), batch {args.batch_size} seed nodes "
-        f"per process, fan-out {args.num_neighbors}", flush=True)
+        f"{world_size} process(es) on {device.type} ({args.backend}, amp {args.amp}), batch "
+        f"{args.batch_size} seed nodes per process, fan-out {args.num_neighbors}", flush=True)
+    if len(eval_idx["test"]) < len(split["test"]) or len(eval_idx["val"]) < len(split["val"]):
+        log(f"val and test scored on random subsets of {args.eval_nodes:,} nodes (--eval-nodes)")
     history, steps, start = [], 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         chunk = rank_chunk(split["train"], epoch, rank, world_size, args.seed, not args.no_shuffle)
@@ -252,13 +323,15 @@ def train(rank, local_rank, world_size, data, split, metric, args):
         for batch in bar:
             batch = batch.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            out = model(batch.x, batch.edge_index)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                out = model(batch.x, batch.edge_index)
             # The loss covers the seed nodes only: the first batch_size rows. The sampled
             # neighbours are there to feed the convolutions, not to be trained on (they would
             # also leak validation and test nodes into training).
-            loss = loss_fn(out[:batch.batch_size], batch.y[:batch.batch_size])
-            loss.backward()  # 4. DDP averages the gradients across ranks here
-            optimizer.step()
+            loss = loss_fn(out[:batch.batch_size].float(), batch.y[:batch.batch_size])
+            scaler.scale(loss).backward()  # 4. DDP averages the gradients across ranks here
+            scaler.step(optimizer)
+            scaler.update()
             loss_sum += loss.detach() * batch.batch_size
             seeds += batch.batch_size
             sampled += batch.num_nodes
@@ -270,8 +343,8 @@ def train(rank, local_rank, world_size, data, split, metric, args):
         seconds = time.perf_counter() - epoch_start
 
         # 5. Evaluate across ranks, then gather the training totals of all ranks.
-        val = evaluate(model.module, data, sampler, split["val"], args, device, rank, world_size)
-        test = evaluate(model.module, data, sampler, split["test"], args, device, rank, world_size)
+        val = evaluate(model.module, data, sampler, eval_idx["val"], args, device, rank, world_size)
+        test = evaluate(model.module, data, sampler, eval_idx["test"], args, device, rank, world_size)
         totals = torch.stack([loss_sum, torch.tensor(float(seeds), dtype=torch.float64, device=device),
                               torch.tensor(float(sampled), dtype=torch.float64, device=device)])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
@@ -300,7 +373,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
                 json.dump({"world_size": world_size, "model": "gcn", "dataset": args.dataset,
                            "metric": metric, "batch_size": args.batch_size,
                            "threads_per_proc": args.threads_per_proc, "device": args.device,
-                           "backend": args.backend, "epochs": history}, f, indent=2)
+                           "backend": args.backend, "amp": args.amp, "epochs": history}, f, indent=2)
 
 
 # --------------------------------------------------------------------------- launching
@@ -357,6 +430,8 @@ def check_device(args):
     if args.device == "cpu":
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
+        if args.amp == "fp16":
+            raise UsageError("--amp fp16 needs a GPU: use --amp bf16 (or off) with --device cpu")
         return
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
@@ -364,6 +439,9 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
+    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+                         f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
@@ -428,8 +506,8 @@ def fan_outs(text):
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["gcn"], default="gcn")
-    p.add_argument("--dataset", choices=["auto", "synthetic", "amazon-products"], default="auto",
-                   help="auto: AmazonProducts if already in --data-dir, else synthetic")
+    p.add_argument("--dataset", choices=["auto", "synthetic", "ogbn-products", "amazon-products"],
+                   default="auto", help="auto: a real graph already in --data-dir, else synthetic")
     p.add_argument("--data-dir", type=str, default="data")
     p.add_argument("--num-nodes", type=positive(int), default=100_000, help="synthetic graph size")
     p.add_argument("--epochs", type=positive(int), default=1)
@@ -442,9 +520,13 @@ def parse_args(argv=None):
     p.add_argument("--num-neighbors", type=fan_outs, default=[15, 10],
                    help="neighbours sampled per node at each hop, e.g. 15,10")
     p.add_argument("--hidden", type=positive(int), default=128)
+    p.add_argument("--eval-nodes", type=positive(int), default=None,
+                   help="score at most this many val and test nodes (a fixed random subset; default all)")
     p.add_argument("--num-workers", type=int, default=0, help="sampling worker processes per rank")
     p.add_argument("--nprocs", type=positive(int), default=None,
                    help="processes to spawn (default: one per visible GPU, 2 on CPU)")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="mixed precision (fp16 with a gradient scaler)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with --device cuda, gloo with --device cpu")

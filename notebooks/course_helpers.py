@@ -22,21 +22,74 @@ def smoke_from_env():
     return os.environ.get("COURSE_SMOKE", "0") == "1"
 
 
-def run(*args, check=True):
+def run(*args, check=True, memory=None):
     """Run `python <args>` from the repository root, printing its output line by line as it comes.
 
     run("ddp_scripts/mnist_ddp_cpu.py", "--nprocs", 2) is what you would type in a terminal.
+    With memory=PeakMemory(...), the command's process tree is watched while it runs.
     """
     argv = [str(a) for a in args]
     print("$ python " + " ".join(shlex.quote(a) for a in argv), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # each run picks a free port
     with subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, text=True, bufsize=1,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        if memory is not None:
+            memory.watch(proc)
         for line in proc.stdout:
             print(line, end="", flush=True)
+    if memory is not None:
+        memory.join()
     if check and proc.returncode != 0:
         raise RuntimeError(f"the command exited with code {proc.returncode} (its output is above)")
     return proc.returncode
+
+
+class PeakMemory:
+    """Peak memory of a whole job (launcher and every process it starts), counting shared pages
+    once: the sum of each process's PSS (proportional set size: a page shared by k processes
+    counts 1/k in each), sampled every `interval` seconds in a thread (reading a process's page
+    map takes CPU time, hence not more often). `peak` is over the whole
+    run; `peak_with_workers` only while at least `workers` child processes exist (for a job whose
+    launcher works alone before it starts the workers)."""
+
+    def __init__(self, workers=1, interval=0.5):
+        self.workers, self.interval = workers, interval
+        self.peak = self.peak_with_workers = 0
+        self._thread = None
+
+    def watch(self, proc):
+        import threading
+
+        self._thread = threading.Thread(target=self._sample, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def join(self):
+        self._thread.join()
+
+    def _sample(self, proc):
+        import time
+
+        import psutil
+
+        try:
+            root = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:
+            return
+        while proc.poll() is None:
+            try:
+                children = root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                break
+            total = 0
+            for p in [root, *children]:
+                try:
+                    total += p.memory_full_info().pss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            self.peak = max(self.peak, total)
+            if len(children) >= self.workers:
+                self.peak_with_workers = max(self.peak_with_workers, total)
+            time.sleep(self.interval)
 
 
 def output_path(name):

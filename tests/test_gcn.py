@@ -1,4 +1,5 @@
-"""Lesson 4 (in progress): the GCN under DDP on a synthetic graph, per-rank seed chunks, refusals."""
+"""Lesson 4: the GCN under DDP (synthetic graph, ogbn-products and AmazonProducts from tiny raw
+files in their own layouts), per-rank seed chunks, mixed precision, refusals, the batch figure."""
 
 import pytest
 import torch
@@ -93,6 +94,17 @@ def test_bad_flags(args):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def community_graph(rng, n, classes, edges_per_node):
+    """A community per node, and edges that stay inside the source's community 80% of the time."""
+    import numpy as np
+
+    community = rng.integers(0, classes, n)
+    src = rng.integers(0, n, edges_per_node * n)
+    same = np.array([rng.choice(np.flatnonzero(community == community[s])) for s in src])
+    dst = np.where(rng.random(len(src)) < 0.8, same, rng.integers(0, n, len(src)))
+    return community, src, dst
+
+
 def write_amazon_products_raw(root, n=800, classes=8, features=200, seed=0):
     """Tiny raw files in AmazonProducts' own layout (what its download leaves in raw/): a CSR
     adjacency in adj_full.npz, feats.npy, class_map.json (multi-hot rows), role.json (splits).
@@ -104,11 +116,7 @@ def write_amazon_products_raw(root, n=800, classes=8, features=200, seed=0):
     import scipy.sparse as sp
 
     rng = np.random.default_rng(seed)
-    community = rng.integers(0, classes, n)
-    src = rng.integers(0, n, 8 * n)
-    dst = np.where(rng.random(8 * n) < 0.8,
-                   np.array([rng.choice(np.flatnonzero(community == community[s])) for s in src]),
-                   rng.integers(0, n, 8 * n))
+    community, src, dst = community_graph(rng, n, classes, edges_per_node=8)
     adj = sp.coo_matrix((np.ones(2 * len(src)), (np.r_[src, dst], np.r_[dst, src])), shape=(n, n)).tocsr()
     adj.data[:] = 1
     raw = root / "AmazonProducts" / "raw"
@@ -125,24 +133,30 @@ def write_amazon_products_raw(root, n=800, classes=8, features=200, seed=0):
     (raw / "role.json").write_text(json.dumps({"tr": order[:480], "va": order[480:640], "te": order[640:]}))
 
 
+def train_offline_with_auto(data_dir, batch_size, expected):
+    """2 ranks, 4 epochs, offline, --dataset auto: it must find the real graph in data_dir and
+    learn; returns the last epoch's metrics."""
+    out = data_dir / "m.json"
+    r = run_script("gcn_ddp.py", *CPU, "--nprocs", 2, "--data-dir", data_dir, "--batch-size", batch_size,
+                   "--hidden", 32, "--epochs", 4, "--lr", 0.01, "--metrics-json", out,
+                   env=script_env(**offline))
+    assert r.returncode == 0, r.stderr
+    metrics = read_metrics(out)
+    assert (metrics["dataset"], metrics["metric"]) == expected
+    epochs = metrics["epochs"]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    return epochs[-1]
+
+
 def test_amazon_products_loader_processes_raw_files_and_trains_multilabel(tmp_path):
     write_amazon_products_raw(tmp_path)
     data, split, metric = gcn.amazon_products(str(tmp_path))  # PyG's own processing step runs
     assert (tmp_path / "AmazonProducts" / "processed" / "data.pt").exists()
     assert metric == "micro_f1" and data.y.shape == (800, 8) and data.x.shape == (800, 200)
     assert [len(split[k]) for k in ("train", "val", "test")] == [480, 160, 160]
-
-    out = tmp_path / "m.json"
-    r = run_script("gcn_ddp.py", *CPU, "--nprocs", 2, "--data-dir", tmp_path, "--batch-size", 64,
-                   "--hidden", 32, "--epochs", 4, "--lr", 0.01, "--metrics-json", out,
-                   env=script_env(**offline))
-    assert r.returncode == 0, r.stderr
-    metrics = read_metrics(out)
-    assert (metrics["dataset"], metrics["metric"]) == ("amazon-products", "micro_f1")  # auto found it
-    epochs = metrics["epochs"]
-    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    final = train_offline_with_auto(tmp_path, 64, ("amazon-products", "micro_f1"))
     # 2 of 8 labels per node: predicting none scores 0, predicting all 0.4
-    assert epochs[-1]["test_metric"] > 0.5
+    assert final["test_metric"] > 0.5
 
 
 def test_amazon_products_offline_without_files_is_refused(tmp_path):
@@ -150,3 +164,102 @@ def test_amazon_products_offline_without_files_is_refused(tmp_path):
                    env=script_env(**offline), timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "AmazonProducts is not in" in r.stderr.strip().splitlines()[-1]
+
+
+def write_ogbn_products_raw(root, n=600, classes=5, features=100, seed=0):
+    """Tiny files in the layout of OGB's products.zip once ogb has unpacked it (data/ogbn_products:
+    raw/*.csv.gz, split/sales_ranking/*.csv.gz, RELEASE_v1.txt), learnable as above, with one
+    label per node."""
+    import gzip
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    community, src, dst = community_graph(rng, n, classes, edges_per_node=6)
+    feats = 0.4 * rng.normal(size=(classes, features))[community] + rng.normal(size=(n, features))
+    order = rng.permutation(n)
+    base = root / "ogbn_products"
+
+    def write(name, rows):
+        (base / name).parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(base / name, "wt") as f:
+            f.writelines(",".join(str(v) for v in row) + "\n" for row in rows)
+
+    write("raw/edge.csv.gz", zip(src, dst))  # ogb adds the reverse edges itself
+    write("raw/node-feat.csv.gz", np.round(feats, 4))
+    write("raw/node-label.csv.gz", community[:, None])
+    write("raw/num-node-list.csv.gz", [[n]])
+    write("raw/num-edge-list.csv.gz", [[len(src)]])
+    for name, part in (("train", order[:360]), ("valid", order[360:480]), ("test", order[480:])):
+        write(f"split/sales_ranking/{name}.csv.gz", part[:, None])
+    (base / "RELEASE_v1.txt").write_text("tiny test copy\n")
+
+
+def test_ogbn_products_loader_processes_raw_files_and_trains(tmp_path):
+    pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
+    write_ogbn_products_raw(tmp_path)
+    data, split, metric = gcn.ogbn_products(str(tmp_path))  # ogb's own processing step runs
+    assert (tmp_path / "ogbn_products" / "processed" / "geometric_data_processed.pt").exists()
+    assert metric == "accuracy" and data.y.shape == (600,) and data.y.dtype == torch.long
+    assert data.x.shape == (600, 100) and data.num_edges == 2 * 3600
+    assert [len(split[k]) for k in ("train", "val", "test")] == [360, 120, 120]
+    final = train_offline_with_auto(tmp_path, 60, ("ogbn-products", "accuracy"))
+    assert final["test_metric"] > 0.5  # 5 classes: chance is 0.2
+
+
+def test_ogbn_products_offline_without_files_is_refused_and_leaves_nothing(tmp_path):
+    pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
+    r = run_script("gcn_ddp.py", *CPU, "--dataset", "ogbn-products", "--data-dir", tmp_path,
+                   env=script_env(**offline), timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "ogbn-products is not in" in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "ogbn_products").exists()  # or ogb would take it for an old release
+
+
+def test_ogbn_products_without_ogb_says_what_to_install(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ogb.nodeproppred.dataset_pyg", None)  # import fails
+    with pytest.raises(gcn.UsageError, match="pip install ogb"):
+        gcn.ogbn_products(str(tmp_path))
+
+
+def test_bf16_autocast_on_cpu_trains(tmp_path):
+    out = tmp_path / "m.json"
+    r = run_script("gcn_ddp.py", *CPU, "--nprocs", 2, *SMALL, "--epochs", 2, "--amp", "bf16",
+                   "--metrics-json", out)
+    assert r.returncode == 0, r.stderr
+    metrics = read_metrics(out)
+    assert metrics["amp"] == "bf16"
+    assert metrics["epochs"][-1]["train_loss"] < metrics["epochs"][0]["train_loss"]
+    assert metrics["epochs"][-1]["test_metric"] > 3 / 16
+
+
+def test_fp16_on_cpu_is_refused(monkeypatch):
+    assert "--amp fp16 needs a GPU" in refused(monkeypatch, [*CPU, "--amp", "fp16"])
+
+
+def test_eval_subset_is_fixed_and_capped():
+    idx = torch.arange(100, 200)
+    assert gcn.eval_subset(idx, None, 0) is idx and gcn.eval_subset(idx, 500, 0) is idx
+    a, b = gcn.eval_subset(idx, 30, 0), gcn.eval_subset(idx, 30, 0)
+    assert torch.equal(a, b) and len(a.unique()) == 30 and set(a.tolist()) <= set(idx.tolist())
+
+
+def test_batch_figure_assigns_hops_along_sampled_edges(tmp_path):
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import draw_sampled_batch
+
+    batch = draw_sampled_batch.sample_batch(num_nodes=3000, seeds=3, num_neighbors=(4, 3))
+    hop, parent = draw_sampled_batch.hops(batch)
+    assert (hop[:3] == 0).all() and (hop >= 0).all()  # seeds first; every node reached
+    for h, fan_out, below in ((1, 4, 3), (2, 3, int((hop == 1).sum()))):
+        nodes = (hop == h).nonzero().view(-1)
+        assert 0 < len(nodes) <= fan_out * below
+        assert (hop[parent[nodes]] == h - 1).all()  # sampled for a node one hop nearer the seeds
+    counts = draw_sampled_batch.draw(batch, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 10_000 and sum(counts.values()) == batch.num_nodes
