@@ -1,12 +1,14 @@
 """Lesson 4: a GCN trained on sampled neighbourhoods (PyG's NeighborLoader) under DistributedDataParallel.
 
     python gcn_ddp.py --nprocs 2 --device cpu                 # Gloo on CPU cores
-    python gcn_ddp.py --amp off                               # NCCL, one process per visible GPU
+    python gcn_ddp.py --amp bf16                              # NCCL, one process per visible GPU
     python gcn_ddp.py --nprocs 1 --device cpu                 # the single-process baseline
     torchrun --nproc-per-node 2 gcn_ddp.py --device cpu       # or let torchrun launch them
+    python gcn_ddp.py --dataset ogbn-products --eval-nodes 50000   # a real graph (1.4 GB download)
 
 Self-contained: copy it anywhere, it needs torch and torch_geometric, with pyg-lib or
-torch-sparse for the neighbour sampler (tqdm optional). Compare it with mnist_ddp_gpu.py.
+torch-sparse for the neighbour sampler (tqdm optional; ogb for ogbn-products, scipy for
+AmazonProducts). Compare it with mnist_ddp_gpu.py.
 """
 import argparse
 import json
