@@ -40,6 +40,17 @@ def test_three_ranks_with_a_node_count_that_does_not_divide(tmp_path):
     assert epoch["steps"] == -(-(3001 // 3) // 100)  # ceil: the same on every rank
 
 
+def test_two_ranks_under_torchrun(tmp_path):
+    # No launcher of ours: each rank loads the graph itself, rank 0 first (a barrier between).
+    out = tmp_path / "m.json"
+    r = run_script("gcn_ddp.py", *CPU, "--num-nodes", 3000, "--batch-size", 128, "--hidden", 32,
+                   "--max-steps", 5, "--metrics-json", out,
+                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    assert r.returncode == 0, r.stderr
+    metrics = read_metrics(out)
+    assert metrics["world_size"] == 2 and metrics["epochs"][0]["steps"] == 5
+
+
 def test_rank_chunks_are_disjoint_equal_and_cover_the_floor():
     train = torch.randperm(1003)[:1001]
     for world in (1, 2, 3, 4):
