@@ -127,7 +127,9 @@ INSTALL_PYG = r'''
 import importlib.util, re
 
 def pip(*args):
-    return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *args]).returncode == 0
+    ok = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *args]).returncode == 0
+    importlib.invalidate_caches()  # let this kernel see what was just installed
+    return ok
 
 missing = [name for name in ("torch_geometric", "ogb") if importlib.util.find_spec(name) is None]
 if missing:
