@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Prebuilt wheels (torch-scatter, torch-sparse for lesson 4) when this folder exists; else they
-# are built from PyPI's sources (about 30 minutes on 2 cores).
+# are built from PyPI's sources (16 minutes for the whole `make setup` on 2 cores, measured).
 WHEELS := ../shared/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
