@@ -35,7 +35,7 @@ bench: setup  ## measured speed-ups on this machine (prints ratios, writes figur
 	$(PY) tools/bench.py
 	$(PY) tools/bench_gcn.py
 
-gpu-check: setup  ## lesson 3 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
+gpu-check: setup  ## lessons 3 and 4 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
 	$(PY) tools/gpu_check.py
 
 kaggle: setup  ## regenerate kaggle/ddp_t4x2.ipynb from ddp_scripts/ (a test fails when it is stale)
