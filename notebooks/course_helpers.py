@@ -17,11 +17,6 @@ DATA_DIR = REPO / "data"
 OUTPUT = REPO / "notebooks" / "output"  # ignored by git: metrics, checkpoints, plots of your runs
 
 
-def smoke_from_env():
-    """SMOKE mode (tiny runs) when COURSE_SMOKE=1, e.g. under nbmake or a quick CI job."""
-    return os.environ.get("COURSE_SMOKE", "0") == "1"
-
-
 def run(*args, check=True, memory=None):
     """Run `python <args>` from the repository root, printing its output line by line as it comes.
 
