@@ -290,7 +290,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
 
     # 2. The model on this rank's device, wrapped; the same seed gives every rank the same start.
     torch.manual_seed(args.seed)
-    model = GCN(data.num_features, args.hidden, num_classes).to(device)
+    model = GCN(data.num_features, args.hidden, num_classes, args.dropout).to(device)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -505,6 +505,13 @@ def fan_outs(text):
     return values
 
 
+def probability(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a probability in [0, 1) expected, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["gcn"], default="gcn")
@@ -522,6 +529,7 @@ def parse_args(argv=None):
     p.add_argument("--num-neighbors", type=fan_outs, default=[15, 10],
                    help="neighbours sampled per node at each hop, e.g. 15,10")
     p.add_argument("--hidden", type=positive(int), default=128)
+    p.add_argument("--dropout", type=probability, default=0.5, help="dropout between the two GCN layers")
     p.add_argument("--eval-nodes", type=positive(int), default=None,
                    help="score at most this many val and test nodes (a fixed random subset; default all)")
     p.add_argument("--num-workers", type=int, default=0, help="sampling worker processes per rank")

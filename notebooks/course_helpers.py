@@ -87,6 +87,43 @@ class PeakMemory:
             time.sleep(self.interval)
 
 
+def gcn_steps_in_one_process(gcn, data, split, args, world_size, one_subgraph=False):
+    """The optimizer steps that `world_size` ranks of gcn_ddp.py take, taken by one process.
+
+    At each step: the seed nodes each rank would train on (its chunk from `rank_chunk`, batch by
+    batch), one sampled subgraph per rank, the mean of the ranks' losses, one optimizer step.
+    That is what DDP computes: each rank's backward() averages the gradients of all ranks.
+    With one_subgraph=True the same seeds are sampled as ONE batch instead. Needs nothing random:
+    args.dropout 0 and args.num_neighbors all -1 (every neighbour). `gcn` is the imported script,
+    `data` the graph after gcn.prepare_graph. Returns the final state_dict.
+    """
+    import torch
+    from torch_geometric.loader import NeighborLoader
+
+    assert args.dropout == 0 and set(args.num_neighbors) == {-1}, "sampling and dropout are random"
+    torch.manual_seed(args.seed)  # the ranks' initial weights
+    model = gcn.GCN(data.num_features, args.hidden, int(data.y.max()) + 1, args.dropout)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    chunks = [gcn.rank_chunk(split["train"], 1, rank, world_size, args.seed, not args.no_shuffle)
+              for rank in range(world_size)]
+    assert args.max_steps * args.batch_size <= len(chunks[0]), "one epoch only"
+    size = args.batch_size
+    for step in range(args.max_steps):
+        seeds = [chunk[step * size:(step + 1) * size] for chunk in chunks]  # rank r's batch
+        groups = [torch.cat(seeds)] if one_subgraph else seeds
+        optimizer.zero_grad()
+        loss = 0
+        for nodes in groups:
+            loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
+                                    batch_size=len(nodes))
+            batch = next(iter(loader))
+            out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
+            loss = loss + gcn.loss_fn(out, batch.y[:batch.batch_size]) / len(groups)
+        loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
 def output_path(name):
     """A path under notebooks/output/ for --metrics-json, --save or a plot."""
     OUTPUT.mkdir(exist_ok=True)
