@@ -11,6 +11,8 @@ CPU = ["--device", "cpu"]
 # Offline for urllib: every download goes to a proxy on a port where nothing listens.
 offline = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 SMALL = ["--num-nodes", 6000, "--batch-size", 256, "--hidden", 64]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+BF16 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)
 
 
 def test_two_ranks_learn_on_the_synthetic_graph(tmp_path):
@@ -314,3 +316,24 @@ def test_batch_figure_assigns_hops_along_sampled_edges(tmp_path):
         assert (hop[parent[nodes]] == h - 1).all()  # sampled for a node one hop nearer the seeds
     counts = draw_sampled_batch.draw(batch, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 10_000 and sum(counts.values()) == batch.num_nodes
+
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
+@pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
+@pytest.mark.parametrize("launch, amp", [("spawn", "off"), ("spawn", "bf16" if BF16 else "fp16"),
+                                         ("torchrun", "off")])
+def test_nccl_on_gpus(tmp_path, launch, amp):
+    # As recommended on GPUs: sampling workers, forked by ranks that already hold a CUDA context.
+    world, out = min(2, GPUS), tmp_path / "m.json"
+    flags = ["--num-nodes", 20000, "--epochs", 2, "--num-workers", 2, "--amp", amp, "--metrics-json", out]
+    if launch == "spawn":
+        r = run_script("gcn_ddp.py", "--nprocs", world, *flags)
+    else:
+        r = run_script("gcn_ddp.py", *flags, launcher=[*TORCHRUN, str(world)])
+    assert r.returncode == 0, r.stderr
+    metrics = read_metrics(out)
+    assert (metrics["world_size"], metrics["backend"], metrics["amp"]) == (world, "nccl", amp)
+    losses = [e["train_loss"] for e in metrics["epochs"]]
+    assert losses[1] < losses[0] and metrics["epochs"][-1]["test_metric"] > 3 / 16

@@ -55,3 +55,30 @@ def test_runs_in_smoke_mode(path, tmp_path, dataset):
     assert all(c.execution_count for c in code), "a cell did not run"
     text = "".join(o.get("text", "") for c in code for o in c.outputs if o.get("output_type") == "stream")
     assert "done:" in text  # the launched scripts ran to the end and printed their summary
+
+
+def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
+    """tools/run_notebook_plain.py, for the GPU machine that has no Jupyter: cells share one
+    namespace, run in the notebook's folder, display() prints, magics are skipped, errors fail."""
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell
+    nb.cells = [nbformat.v4.new_markdown_cell("# title"),
+                cell("%matplotlib inline\nimport os\nSMOKE = os.environ.get('COURSE_SMOKE')"),
+                cell("from IPython.display import Markdown, display\n"
+                     "display(Markdown(f'smoke={SMOKE} here={os.path.basename(os.getcwd())}'))")]
+    path = tmp_path / "nb" / "x.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    runner = [sys.executable, str(REPO / "tools" / "run_notebook_plain.py"), str(path)]
+    r = subprocess.run([*runner, "--smoke"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "smoke=1 here=nb" in r.stdout and "every code cell ran" in r.stdout
+
+    nb.cells.append(nbformat.v4.new_code_cell("raise ValueError('cell failed')"))
+    nbformat.write(nb, path)
+    r = subprocess.run(runner, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "ValueError: cell failed" in r.stderr
+    assert "every code cell ran" not in r.stdout

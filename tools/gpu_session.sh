@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# For maintainers lent a GPU machine for a few minutes, offline (docs/MAINTAINERS.md, "GPU checks"):
+#
+#   bash tools/gpu_session.sh prepare   # here: the data, and PyG's sampler sources into .device/
+#   bash tools/gpu_session.sh run       # there, in ONE device call that carries data and .device
+#
+# `run` builds torch-scatter and torch-sparse there (CPU-only: the sampler runs on the CPU) when
+# neither pyg-lib nor torch-sparse can be imported, and meanwhile runs notebook 03's code cells;
+# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4. Logs go to $OUT (the device tool's
+# folder that comes back) or build/gpu-session. Exits non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+
+case "${1:-}" in
+prepare)
+    grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >>.git/info/exclude
+    mkdir -p .device
+    # Sources, not wheels: no wheel here fits the device's Python and torch. Their metadata step
+    # imports torch, hence the venv's Python without build isolation.
+    .venv/bin/python -m pip download --quiet --no-deps --no-build-isolation --no-binary :all: \
+        -d .device torch-scatter torch-sparse || exit 1
+    .venv/bin/python -c "import sys; sys.path.insert(0, 'ddp_scripts'); import mnist_single; \
+print('dataset in data/:', mnist_single.prepare_data('auto', 'data', verbose=False))" || exit 1
+    du -sh .device data
+    echo 'next: run "bash tools/gpu_session.sh run" on the device with carry [".device", "data"]'
+    ;;
+run)
+    out=${OUT:-build/gpu-session}
+    mkdir -p "$out"
+    failed=()
+    have_sampler='import sys, torch_geometric.typing as t; sys.exit(not (t.WITH_PYG_LIB or t.WITH_TORCH_SPARSE))'
+    builds=()
+    if ! $PY -c "$have_sampler" 2>/dev/null; then
+        echo "building torch-scatter and torch-sparse from .device/ (CPU-only) in the background"
+        # Each package is a dozen small extensions, which setuptools builds one after the other,
+        # ninja (if present) two files at a time: 25 minutes of compiling on one core. Build the
+        # extensions in parallel instead (setuptools' build_ext --parallel, set through
+        # DIST_EXTRA_CONFIG) with torch's plain compiler backend: a ninja that fails its version
+        # check makes torch fall back to it (parallel ninja builds would share one build.ninja).
+        mkdir -p /tmp/no-ninja
+        printf '#!/bin/sh\nexit 1\n' >/tmp/no-ninja/ninja
+        chmod +x /tmp/no-ninja/ninja
+        printf '[build_ext]\nparallel = 16\n' >/tmp/build-parallel.cfg
+        for sdist in .device/torch_scatter-*.tar.gz .device/torch_sparse-*.tar.gz; do
+            name=$(basename "$sdist" .tar.gz)
+            PATH=/tmp/no-ninja:$PATH DIST_EXTRA_CONFIG=/tmp/build-parallel.cfg FORCE_ONLY_CPU=1 \
+                $PY -m pip install --no-deps --no-build-isolation --no-index --no-cache-dir \
+                --target "/tmp/site-$name" "$sdist" >"$out/build-$name.log" 2>&1 &
+            builds+=($!)
+        done
+    fi
+    # Lesson 3's GPU tests passed on the H200 in session 2 (docs/MAINTAINERS.md): not repeated
+    # here, to keep the call well inside the device's 10-minute limit.
+    echo "== $(date +%T) notebook 03, code cells in plain Python"
+    PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
+        2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)
+    if ((${#builds[@]})); then
+        echo "== $(date +%T) waiting for the sampler build"
+        wait "${builds[@]}"
+        for site in /tmp/site-*; do PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}; done
+        export PYTHONPATH
+    fi
+    # Lesson 4 needs the sampler. Time limits keep the whole call inside the device's 10 minutes.
+    if $PY -c "$have_sampler"; then
+        echo "== $(date +%T) GPU tests (lesson 4)"
+        PYTHONUNBUFFERED=1 timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_gcn.py -k nccl_on_gpus \
+            2>&1 | tee "$out/pytest-gcn.log" || failed+=(pytest-gcn)
+        echo "== $(date +%T) tools/gpu_check.py --lesson 4"
+        PYTHONUNBUFFERED=1 timeout 200 $PY tools/gpu_check.py --lesson 4 2>&1 | tee "$out/gpu_check.log" \
+            || failed+=(gpu_check)
+    else
+        failed+=(sampler-build)
+        tail -n 5 "$out"/build-*.log
+    fi
+    if ((${#failed[@]})); then
+        echo "gpu-session: failed: ${failed[*]} (logs in $out)"
+        exit 1
+    fi
+    echo "gpu-session: $(date +%T) all passed (logs in $out)"
+    ;;
+*)
+    echo "usage: bash tools/gpu_session.sh prepare|run" >&2
+    exit 2
+    ;;
+esac
