@@ -11,9 +11,12 @@ torch-sparse for the neighbour sampler (tqdm optional; ogb for ogbn-products, sc
 AmazonProducts). Compare it with mnist_ddp_gpu.py.
 """
 import argparse
+import ctypes
+import functools
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -217,6 +220,28 @@ def eval_subset(idx, limit, seed):
     return idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(seed))[:limit]]
 
 
+def die_with_parent(parent_pid, worker_id=None):
+    """Run at the start of each sampling worker (a process the rank forks): on Linux, ask the
+    kernel to kill this worker when its rank dies. Without it, a rank that crashes or is stopped
+    leaves its workers behind, blocked, holding the job's output pipes and the shared graph."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the rank died before that took effect
+            os._exit(1)
+
+
+def sampling_workers(num_workers):
+    """NeighborLoader (DataLoader) arguments for this rank's sampling worker processes: forked
+    where the OS can (in a rank started by mp.spawn they would otherwise be spawned: a fresh
+    Python that imports torch and PyG again, for every worker of every loader), and killed by
+    the kernel if the rank dies."""
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers,
+            "multiprocessing_context": "fork" if "fork" in mp.get_all_start_methods() else None,
+            "worker_init_fn": functools.partial(die_with_parent, os.getpid())}
+
+
 # --------------------------------------------------------------------------- model
 class GCN(nn.Module):
     """Two GCNConv layers with ReLU and dropout between them: two hops of neighbourhood."""
@@ -270,7 +295,7 @@ def evaluate(model, data, sampler, idx, args, device, rank, world_size):
     # Batches as big as in training: bigger ones would raise each rank's peak memory.
     loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
                             batch_size=args.batch_size, neighbor_sampler=sampler,
-                            num_workers=args.num_workers)
+                            **sampling_workers(args.num_workers))
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
@@ -316,7 +341,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
         chunk = rank_chunk(split["train"], epoch, rank, world_size, args.seed, not args.no_shuffle)
         loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=chunk,
                                 batch_size=args.batch_size, neighbor_sampler=sampler,
-                                num_workers=args.num_workers)
+                                **sampling_workers(args.num_workers))
         epoch_start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         seeds, sampled = 0, 0

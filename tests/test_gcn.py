@@ -277,10 +277,10 @@ def test_ogbn_products_without_ogb_says_what_to_install(monkeypatch, tmp_path):
         gcn.ogbn_products(str(tmp_path))
 
 
-def test_bf16_autocast_on_cpu_trains(tmp_path):
+def test_bf16_autocast_on_cpu_trains_with_sampling_workers(tmp_path):
     out = tmp_path / "m.json"
     r = run_script("gcn_ddp.py", *CPU, "--nprocs", 2, *SMALL, "--epochs", 2, "--amp", "bf16",
-                   "--metrics-json", out)
+                   "--num-workers", 1, "--metrics-json", out)
     assert r.returncode == 0, r.stderr
     metrics = read_metrics(out)
     assert metrics["amp"] == "bf16"
