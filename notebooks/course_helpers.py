@@ -30,13 +30,48 @@ def run(*args, check=True, memory=None):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         if memory is not None:
             memory.watch(proc)
-        for line in proc.stdout:
-            print(line, end="", flush=True)
+        try:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+        except KeyboardInterrupt:  # the notebook's stop button: stop the run, do not wait for it
+            stop(proc)
+            raise
     if memory is not None:
         memory.join()
     if check and proc.returncode != 0:
         raise RuntimeError(f"the command exited with code {proc.returncode} (its output is above)")
     return proc.returncode
+
+
+def stop(proc, grace=10):
+    """Stop a command started by run() and every process it started: Ctrl-C (SIGINT) to all of
+    them, as a terminal would, then SIGKILL for whatever is left after `grace` seconds."""
+    import signal
+
+    import psutil
+
+    try:
+        started = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        started = []
+    for process in started:
+        try:
+            process.send_signal(signal.SIGINT)
+        except psutil.NoSuchProcess:
+            pass
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)  # the launcher is reaped by Popen, which then knows its exit code
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(started, timeout=1)
+    for process in alive:  # ranks or workers that ignored Ctrl-C
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    print(f"\nstopped (exit code {proc.returncode})", flush=True)
 
 
 class PeakMemory:

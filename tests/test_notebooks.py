@@ -82,3 +82,36 @@ def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
     r = subprocess.run(runner, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "ValueError: cell failed" in r.stderr
     assert "every code cell ran" not in r.stdout
+
+
+def test_interrupting_a_run_stops_every_process_it_started():
+    """The notebook's stop button (KeyboardInterrupt in the kernel) stops the launched command and
+    what it started, instead of waiting for them to finish."""
+    import signal
+    import sys
+    import time
+
+    import psutil
+
+    sys.path.insert(0, str(REPO / "notebooks"))
+    from course_helpers import run
+
+    sleeper = "import time; time.sleep(60)"
+    child = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]); "
+             "print('started', flush=True); time.sleep(60)")
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run("-c", child)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - start < 20
+    _, alive = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=5)
+    assert not alive
