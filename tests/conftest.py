@@ -9,10 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "ddp_scripts"
 DATA_DIR = REPO / "data"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
 
 
 def load_script(name):
@@ -28,6 +31,11 @@ def script_env(**extra):
     env.pop("MASTER_PORT", None)  # each run picks its own free port
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def torchrun(nprocs):
+    """run_script's `launcher` for torchrun with nprocs processes on this machine."""
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs)]
 
 
 def run_script(script, *args, timeout=240, env=None, launcher=None):

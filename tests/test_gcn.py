@@ -3,7 +3,16 @@ files in their own layouts), per-rank seed chunks, mixed precision, refusals, th
 
 import pytest
 import torch
-from conftest import load_script, read_metrics, refused_before_spawn, run_script, script_env
+from conftest import (
+    GPUS,
+    load_script,
+    needs_gpu,
+    read_metrics,
+    refused_before_spawn,
+    run_script,
+    script_env,
+    torchrun,
+)
 
 pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
 gcn = load_script("gcn_ddp")
@@ -11,7 +20,6 @@ CPU = ["--device", "cpu"]
 # Offline for urllib: every download goes to a proxy on a port where nothing listens.
 offline = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 SMALL = ["--num-nodes", 6000, "--batch-size", 256, "--hidden", 64]
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 BF16 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)
 
 
@@ -47,7 +55,7 @@ def test_two_ranks_under_torchrun(tmp_path):
     out = tmp_path / "m.json"
     r = run_script("gcn_ddp.py", *CPU, "--num-nodes", 3000, "--batch-size", 128, "--hidden", 32,
                    "--max-steps", 5, "--metrics-json", out,
-                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+                   launcher=torchrun(2))
     assert r.returncode == 0, r.stderr
     metrics = read_metrics(out)
     assert metrics["world_size"] == 2 and metrics["epochs"][0]["steps"] == 5
@@ -141,7 +149,7 @@ def test_bad_flags(args):
 
 
 @pytest.mark.parametrize("rate", ["1", "-0.1", "half"])
-def test_dropout_must_be_a_probability(rate, capsys):
+def test_dropout_must_be_a_probability(rate):
     with pytest.raises(SystemExit) as exit_info:
         gcn.parse_args(["--dropout", rate])
     assert "--dropout" in str(exit_info.value.code) and "\n" not in str(exit_info.value.code)
@@ -318,10 +326,7 @@ def test_batch_figure_assigns_hops_along_sampled_edges(tmp_path):
     assert (tmp_path / "b.png").stat().st_size > 10_000 and sum(counts.values()) == batch.num_nodes
 
 
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-
-
-@pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
+@needs_gpu
 @pytest.mark.parametrize("launch, amp", [("spawn", "off"), ("spawn", "bf16" if BF16 else "fp16"),
                                          ("torchrun", "off")])
 def test_nccl_on_gpus(tmp_path, launch, amp):
@@ -331,7 +336,7 @@ def test_nccl_on_gpus(tmp_path, launch, amp):
     if launch == "spawn":
         r = run_script("gcn_ddp.py", "--nprocs", world, *flags)
     else:
-        r = run_script("gcn_ddp.py", *flags, launcher=[*TORCHRUN, str(world)])
+        r = run_script("gcn_ddp.py", *flags, launcher=torchrun(world))
     assert r.returncode == 0, r.stderr
     metrics = read_metrics(out)
     assert (metrics["world_size"], metrics["backend"], metrics["amp"]) == (world, "nccl", amp)

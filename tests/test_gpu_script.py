@@ -3,12 +3,18 @@ starts; on a machine with GPUs it trains with NCCL (skipped, with the reason, el
 import time
 
 import pytest
-import torch
-from conftest import load_script, read_metrics, refused_before_spawn, run_script, script_env
+from conftest import (
+    GPUS,
+    load_script,
+    needs_gpu,
+    read_metrics,
+    refused_before_spawn,
+    run_script,
+    script_env,
+    torchrun,
+)
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])
@@ -29,7 +35,7 @@ def test_cpu_fallback_under_torchrun(tmp_path, data_args):
     out = tmp_path / "m.json"
     r = run_script("mnist_ddp_gpu.py", *CPU, "--model", "linear", "--max-steps", 10,
                    "--metrics-json", out, *data_args,
-                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+                   launcher=torchrun(2))
     assert r.returncode == 0, r.stderr
     assert read_metrics(out)["world_size"] == 2
 

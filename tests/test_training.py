@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, torchrun
 
 CHANCE_LOSS = math.log(10)  # cross-entropy of a uniform guess over 10 classes
 EPOCH_KEYS = {"epoch", "train_loss", "test_accuracy", "seconds", "images_per_second"}
@@ -69,7 +69,7 @@ def test_torchrun_launch(tmp_path, data_args, dataset):
     out = tmp_path / "m.json"
     r = run_script("mnist_ddp_cpu.py", "--model", "linear", "--max-steps", 20,
                    "--metrics-json", out, *data_args,
-                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+                   launcher=torchrun(2))
     assert r.returncode == 0, r.stderr
     (epoch,) = check_metrics(read_metrics(out), 2, "linear", dataset, 20)
     assert epoch["test_accuracy"] > 0.4
