@@ -134,6 +134,7 @@ def gcn_steps_in_one_process(gcn, data, split, args, world_size, one_subgraph=Fa
     """
     import torch
     from torch_geometric.loader import NeighborLoader
+    from torch_geometric.sampler import NeighborSampler
 
     assert args.dropout == 0 and set(args.num_neighbors) == {-1}, "sampling and dropout are random"
     torch.manual_seed(args.seed)  # the ranks' initial weights
@@ -143,6 +144,7 @@ def gcn_steps_in_one_process(gcn, data, split, args, world_size, one_subgraph=Fa
               for rank in range(world_size)]
     assert args.max_steps * args.batch_size <= len(chunks[0]), "one epoch only"
     size = args.batch_size
+    sampler = NeighborSampler(data, num_neighbors=args.num_neighbors, is_sorted=True)  # as the ranks
     for step in range(args.max_steps):
         seeds = [chunk[step * size:(step + 1) * size] for chunk in chunks]  # rank r's batch
         groups = [torch.cat(seeds)] if one_subgraph else seeds
@@ -150,7 +152,7 @@ def gcn_steps_in_one_process(gcn, data, split, args, world_size, one_subgraph=Fa
         loss = 0
         for nodes in groups:
             loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
-                                    batch_size=len(nodes))
+                                    batch_size=len(nodes), neighbor_sampler=sampler)
             batch = next(iter(loader))
             out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
             loss = loss + gcn.loss_fn(out, batch.y[:batch.batch_size]) / len(groups)
