@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -296,8 +297,27 @@ def launch(args):
     if args.nprocs > cpu_cores() and not args.quiet:
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
+    spawn_workers(args.nprocs, args)
+
+
+def spawn_workers(nprocs, *worker_args):
+    """Run worker(rank, nprocs, *worker_args) in nprocs new processes and wait for them. However
+    the run ends, it ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or
+    SIGTERM here stops them too (mp.spawn's own join would keep waiting while they train on)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
+    workers = mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs, join=False)
     try:
-        mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs, join=True)
+        while not workers.join():  # True once all have finished; raises when one has failed
+            pass
+    except KeyboardInterrupt:  # pass it on; a worker still running after 10 s is killed
+        for process in workers.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)
+        for process in workers.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        raise
     except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
         how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
         raise UsageError(f"worker {err.error_index} ended with {how}; the other workers were "
@@ -362,6 +382,10 @@ def main(argv=None):
         launch(args)
     except UsageError as err:
         sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one line from rank 0
+            print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

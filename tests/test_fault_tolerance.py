@@ -1,6 +1,8 @@
-"""A worker that dies takes the whole job down promptly, with a clear message and no orphans
-(sampling worker processes of the GCN's ranks included)."""
+"""However a job ends early, it ends whole, promptly, in one line, with no process left behind
+(the GCN's sampling worker processes included): a worker that dies, Ctrl-C, SIGINT or SIGTERM
+sent to the launcher alone."""
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -19,16 +21,19 @@ JOBS = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(JOBS))
-def test_killed_worker_stops_the_job(script, dataset):
+@contextlib.contextmanager
+def training_job(script, dataset):
+    """Start a 2-rank job as a terminal would (own session, SIGINT not ignored) and yield
+    (launcher, its two ranks, all its processes) once both ranks train. Kills what is left after."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
     launcher = subprocess.Popen(
         [sys.executable, str(SCRIPTS / script), "--nprocs", "2", "--timeout", "60", *JOBS[script](dataset)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env())
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     family = []
     try:
-        # Wait until rank 0 announces training: both workers are inside the process group.
+        # Rank 0 announces training once both workers are inside the process group.
         header = launcher.stdout.readline()
         assert header.startswith("training"), header + launcher.stderr.read()
         time.sleep(3)
@@ -37,18 +42,44 @@ def test_killed_worker_stops_the_job(script, dataset):
         family = psutil.Process(launcher.pid).children(recursive=True)
         if script == "gcn_ddp.py":
             assert sum(len(rank.children()) for rank in ranks) >= 4, "the sampling workers did not start"
-        ranks[-1].send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, stderr = launcher.communicate(timeout=60)
-        assert time.monotonic() - killed_at < 20
-        assert launcher.returncode != 0
-        assert "ended with signal SIGKILL" in stderr and "other workers were stopped" in stderr
-        assert "Traceback" not in stderr
-        _, alive = psutil.wait_procs(family, timeout=15)
-        assert not alive, f"left behind: {[(p.pid, ' '.join(p.cmdline())[:80]) for p in alive]}"
+        yield launcher, ranks, family
     finally:  # a failed check leaves nothing running either
         if launcher.poll() is None:
             launcher.kill()
         for process in family:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def ends_promptly_and_whole(launcher, family, since):
+    _, stderr = launcher.communicate(timeout=60)
+    assert time.monotonic() - since < 20
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, f"left behind: {[(p.pid, ' '.join(p.cmdline())[:80]) for p in alive]}"
+    assert "Traceback" not in stderr, stderr
+    return stderr
+
+
+@pytest.mark.parametrize("script", sorted(JOBS))
+def test_killed_worker_stops_the_job(script, dataset):
+    with training_job(script, dataset) as (launcher, ranks, family):
+        ranks[-1].send_signal(signal.SIGKILL)
+        stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
+        assert launcher.returncode == 1
+        assert "ended with signal SIGKILL" in stderr and "other workers were stopped" in stderr
+
+
+# Ctrl-C in a terminal signals the whole process group; `kill -INT` or a scheduler's SIGTERM reach
+# the launcher alone, whose workers must then be stopped by the launcher (mp.spawn's join would
+# wait while they train on: it did before session 4).
+@pytest.mark.parametrize("script, how", [("mnist_ddp_cpu.py", "Ctrl-C"), ("mnist_ddp_cpu.py", "SIGINT"),
+                                         ("mnist_ddp_cpu.py", "SIGTERM"), ("gcn_ddp.py", "SIGINT")])
+def test_interrupted_job_stops_its_workers(script, how, dataset):
+    with training_job(script, dataset) as (launcher, ranks, family):
+        if how == "Ctrl-C":
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:
+            launcher.send_signal(getattr(signal, how))
+        stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
+        assert launcher.returncode == 130
+        assert stderr.strip().splitlines()[-1] == f"{script}: interrupted; all workers stopped", stderr
