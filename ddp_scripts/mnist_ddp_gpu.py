@@ -359,15 +359,15 @@ def spawn_workers(nprocs, *worker_args):
     the run ends, it ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or
     SIGTERM here stops them too (mp.spawn's own join would keep waiting while they train on)."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
-    workers = mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs, join=False)
     try:
+        workers = mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs, join=False)
         while not workers.join():  # True once all have finished; raises when one has failed
             pass
-    except KeyboardInterrupt:  # pass it on; a worker still running after 10 s is killed
-        for process in workers.processes:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGINT)
-        for process in workers.processes:
+    except KeyboardInterrupt:  # pass it on to the workers started; kill any left after 10 s
+        started = mp.active_children()
+        for process in started:
+            os.kill(process.pid, signal.SIGINT)
+        for process in started:
             process.join(10)
             if process.is_alive():
                 process.kill()
