@@ -333,7 +333,8 @@ def train(rank, local_rank, world_size, data, split, metric, args):
     log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     log(f"training GCN on {args.dataset} ({data.num_nodes:,} nodes, {data.num_edges:,} edges): "
         f"{world_size} process(es) on {device.type} ({args.backend}, amp {args.amp}), batch "
-        f"{args.batch_size} seed nodes per process, fan-out {args.num_neighbors}", flush=True)
+        f"{args.batch_size} seed nodes per process, fan-out {args.num_neighbors}, "
+        f"{args.num_workers} sampling worker(s) per process", flush=True)
     if len(eval_idx["test"]) < len(split["test"]) or len(eval_idx["val"]) < len(split["val"]):
         log(f"val and test scored on random subsets of {args.eval_nodes:,} nodes (--eval-nodes)")
     history, steps, start = [], 0, time.perf_counter()
@@ -400,7 +401,8 @@ def train(rank, local_rank, world_size, data, split, metric, args):
                 json.dump({"world_size": world_size, "model": "gcn", "dataset": args.dataset,
                            "metric": metric, "batch_size": args.batch_size,
                            "threads_per_proc": args.threads_per_proc, "device": args.device,
-                           "backend": args.backend, "amp": args.amp, "epochs": history}, f, indent=2)
+                           "backend": args.backend, "amp": args.amp, "num_workers": args.num_workers,
+                           "epochs": history}, f, indent=2)
 
 
 # --------------------------------------------------------------------------- launching
@@ -549,6 +551,13 @@ def fan_outs(text):
     return values
 
 
+def worker_count(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"0 (sample in the rank itself) or more expected, got {text}")
+    return value
+
+
 def probability(text):
     value = float(text)
     if not 0 <= value < 1:
@@ -576,7 +585,9 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=probability, default=0.5, help="dropout between the two GCN layers")
     p.add_argument("--eval-nodes", type=positive(int), default=None,
                    help="score at most this many val and test nodes (a fixed random subset; default all)")
-    p.add_argument("--num-workers", type=int, default=0, help="sampling worker processes per rank")
+    p.add_argument("--num-workers", type=worker_count, default=None,
+                   help="sampling worker processes per rank (default: 0 on CPU; on GPUs, the rank's "
+                        "share of the cores less one, at most 4)")
     p.add_argument("--nprocs", type=positive(int), default=None,
                    help="processes to spawn (default: one per visible GPU, 2 on CPU)")
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
@@ -597,9 +608,11 @@ def parse_args(argv=None):
     if args.nprocs is None:
         gpus = torch.cuda.device_count() if args.device == "cuda" else 0
         args.nprocs = gpus or 2
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # processes on this machine
     if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)
+    if args.num_workers is None:  # on CPU every core already runs a rank; a GPU rank samples beside it
+        args.num_workers = 0 if args.device == "cpu" else min(4, max(0, cpu_cores() // procs - 1))
     return args
 
 

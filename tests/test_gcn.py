@@ -141,11 +141,23 @@ def test_fan_outs_must_match_the_layers(monkeypatch):
     assert "2 fan-outs" in refused(monkeypatch, [*CPU, "--num-neighbors", "15,10,5"])
 
 
-@pytest.mark.parametrize("args", [["--dataset", "cora"], ["--num-neighbors", "ten"], ["--nprocs", "0"]])
+@pytest.mark.parametrize("args", [["--dataset", "cora"], ["--num-neighbors", "ten"], ["--nprocs", "0"],
+                                  ["--num-workers", "-1"]])
 def test_bad_flags(args):
     r = run_script("gcn_ddp.py", *args, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("device, cores, nprocs, workers", [("cpu", 16, 2, 0), ("cuda", 16, 2, 4),
+                                                            ("cuda", 4, 2, 1), ("cuda", 2, 2, 0)])
+def test_sampling_workers_by_default(monkeypatch, device, cores, nprocs, workers):
+    """0 on CPU (the cores run the ranks); on GPUs a rank's share of the cores less one, at most 4."""
+    monkeypatch.setattr(gcn, "cpu_cores", lambda: cores)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    args = gcn.parse_args(["--device", device, "--nprocs", str(nprocs)])
+    assert args.num_workers == workers
+    assert gcn.parse_args(["--device", device, "--num-workers", "3"]).num_workers == 3
 
 
 @pytest.mark.parametrize("rate", ["1", "-0.1", "half"])
