@@ -214,6 +214,13 @@ def rank_chunk(train_idx, epoch, rank, world_size, seed, shuffle=True):
     return order[rank * per_rank:(rank + 1) * per_rank]
 
 
+def check_enough_seeds(split, world_size):
+    """Each rank trains on len(train) // world_size seed nodes: refuse a split that leaves none."""
+    if len(split["train"]) < world_size:
+        raise UsageError(f"{len(split['train'])} training node(s) cannot be split across {world_size} "
+                         f"processes (each needs at least one): use a bigger graph or fewer processes")
+
+
 def eval_subset(idx, limit, seed):
     if limit is None or len(idx) <= limit:
         return idx
@@ -440,6 +447,7 @@ def worker(rank, world_size, args, graph=None):
             graph = load_dataset(args)
             if rank == 0:
                 dist.barrier(device_ids=device_ids)
+            check_enough_seeds(graph[1], world_size)
             prepare_graph(graph[0])
         train(rank, local_rank, world_size, *graph, args)
     except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
@@ -488,6 +496,7 @@ def launch(args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     data, split, metric = load_dataset(args)
+    check_enough_seeds(split, args.nprocs)
     prepare_graph(data)
     for value in split.values():
         value.share_memory_()

@@ -149,6 +149,20 @@ def test_bad_flags(args):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_fewer_training_nodes_than_ranks_is_refused(launcher):
+    """3 nodes leave 1 training node for 3 ranks: each would get 0 seeds and train on nothing."""
+    flags = [*CPU, "--dataset", "synthetic", "--num-nodes", 3, "--max-steps", 2]
+    if launcher == "spawn":
+        r = run_script("gcn_ddp.py", *flags, "--nprocs", 3, timeout=60)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    else:  # torchrun adds its own report of the failed ranks
+        r = run_script("gcn_ddp.py", *flags, launcher=torchrun(3), timeout=120)
+        assert r.stderr.count("gcn_ddp.py: error:") == 1, r.stderr
+    assert r.returncode != 0
+    assert "1 training node(s) cannot be split across 3 processes" in r.stderr
+
+
 @pytest.mark.parametrize("device, cores, nprocs, workers", [("cpu", 16, 2, 0), ("cuda", 16, 2, 4),
                                                             ("cuda", 4, 2, 1), ("cuda", 2, 2, 0)])
 def test_sampling_workers_by_default(monkeypatch, device, cores, nprocs, workers):
