@@ -487,6 +487,7 @@ def check_device(args):
 
 def launch(args):
     check_device(args)
+    check_writable(args.save, args.metrics_json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Started by torchrun: this process already is one rank.
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
@@ -623,6 +624,18 @@ def parse_args(argv=None):
     if args.num_workers is None:  # on CPU every core already runs a rank; a GPU rank samples beside it
         args.num_workers = 0 if args.device == "cpu" else min(4, max(0, cpu_cores() // procs - 1))
     return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
 
 
 def main(argv=None):

@@ -85,6 +85,10 @@ def prepare_data(dataset, data_dir, verbose=True):
 
     Call it in ONE process: N processes downloading into the same folder corrupt each other.
     """
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot use --data-dir {data_dir}: {err.strerror}") from None
     if dataset in ("auto", "mnist"):
         if have_files("mnist", data_dir) or try_download("mnist", data_dir):
             return "mnist"
@@ -283,6 +287,7 @@ def worker(rank, world_size, args):
 
 
 def launch(args):
+    check_writable(args.save, args.metrics_json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Started by torchrun: this process already is one rank, and torchrun set MASTER_ADDR/PORT.
         args.prepare_in_rank0 = True
@@ -374,6 +379,18 @@ def parse_args(argv=None):
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)
     return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
 
 
 def main(argv=None):

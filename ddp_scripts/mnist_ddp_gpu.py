@@ -86,6 +86,10 @@ def prepare_data(dataset, data_dir, verbose=True):
 
     Call it in ONE process: N processes downloading into the same folder corrupt each other.
     """
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot use --data-dir {data_dir}: {err.strerror}") from None
     if dataset in ("auto", "mnist"):
         if have_files("mnist", data_dir) or try_download("mnist", data_dir):
             return "mnist"
@@ -335,6 +339,7 @@ def check_device(args):
 
 def launch(args):
     check_device(args)
+    check_writable(args.save, args.metrics_json)
     if args.device == "cpu" and not args.quiet and int(os.environ.get("RANK", 0)) == 0:
         print(f"running on CPU with {args.backend}: the GPU lesson's code, without GPUs", flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -439,6 +444,18 @@ def parse_args(argv=None):
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)
     return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
 
 
 def main(argv=None):

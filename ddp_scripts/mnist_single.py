@@ -79,6 +79,10 @@ def prepare_data(dataset, data_dir, verbose=True):
 
     Call it in ONE process: N processes downloading into the same folder corrupt each other.
     """
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot use --data-dir {data_dir}: {err.strerror}") from None
     if dataset in ("auto", "mnist"):
         if have_files("mnist", data_dir) or try_download("mnist", data_dir):
             return "mnist"
@@ -247,9 +251,22 @@ def parse_args(argv=None):
     return args
 
 
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
+        check_writable(args.save, args.metrics_json)
         args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
         train(args)
     except UsageError as err:

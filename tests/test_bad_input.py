@@ -59,3 +59,33 @@ def test_master_port_in_use(script):
         line = refused(script, *CPU_ONLY.get(script, []), "--max-steps", "1",
                        env=script_env(MASTER_PORT=port))
     assert f"MASTER_PORT={port}" in line
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "gcn_ddp.py"])
+@pytest.mark.parametrize("flag", ["--metrics-json", "--save"])
+def test_output_that_cannot_be_written_is_refused_before_training(tmp_path, script, flag):
+    """Not after an hour of training: a folder that cannot be created (here, a file is in the way)."""
+    if script == "gcn_ddp.py":
+        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    cpu = ["--device", "cpu", "--num-nodes", "2000"] if script == "gcn_ddp.py" else CPU_ONLY.get(script, [])
+    line = refused(script, *cpu, "--max-steps", "1", flag, blocker / "out")
+    assert f"cannot write {blocker / 'out'}" in line
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_data_dir_that_cannot_be_created(tmp_path, script):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    line = refused(script, *CPU_ONLY.get(script, []), "--data-dir", blocker / "data")
+    assert "cannot use --data-dir" in line
+
+
+@pytest.mark.parametrize("script", SCRIPTS[:2])
+def test_missing_output_folders_are_created(tmp_path, script, data_args):
+    save, metrics = tmp_path / "new" / "deeper" / "weights.pt", tmp_path / "other" / "metrics.json"
+    r = run_script(script, "--model", "linear", "--max-steps", "2", "--quiet", "--save", save,
+                   "--metrics-json", metrics, *data_args)
+    assert r.returncode == 0, r.stderr
+    assert save.stat().st_size > 0 and metrics.stat().st_size > 0
