@@ -188,7 +188,7 @@ def main():
                                      "rows": rows, "input_pipeline": pipeline, "gpu_rows": gpu_rows},
                                     indent=2))
     plot(rows, machine, args.figure)
-    print(f"\nwrote {args.json.relative_to(REPO)} and {args.figure.relative_to(REPO)}")
+    print(f"\nwrote {args.json} and {args.figure}")
 
 
 if __name__ == "__main__":

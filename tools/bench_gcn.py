@@ -89,7 +89,7 @@ def main():
     args.json.write_text(json.dumps({"num_nodes": args.num_nodes, "steps": args.steps, "cores": cores,
                                      "rows": rows, "speedup": speedup, "memory_ratio": memory,
                                      "memory_ratio_training": memory_ranks}, indent=2))
-    print(f"wrote {args.json.relative_to(REPO)}")
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

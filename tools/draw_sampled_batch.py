@@ -106,7 +106,7 @@ def main():
     batch = sample_batch()
     counts = draw(batch, args.out, title="one batch from NeighborLoader(num_neighbors=[15, 10], "
                   f"batch_size=2): {batch.num_nodes} nodes, {batch.num_edges} edges")
-    print(f"wrote {args.out.relative_to(REPO)}: nodes per hop {counts}")
+    print(f"wrote {args.out}: nodes per hop {counts}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def main():
             failed.append(nb.name)
             print(f"  FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
             continue
-        print(f"  ok in {time.perf_counter() - start:.0f} s -> {(args.out / nb.name).relative_to(REPO)}",
+        print(f"  ok in {time.perf_counter() - start:.0f} s -> {args.out / nb.name}",
               flush=True)
     if failed:
         sys.exit(f"{len(failed)} notebook(s) failed: {', '.join(failed)}")
