@@ -142,7 +142,7 @@ def test_fan_outs_must_match_the_layers(monkeypatch):
 
 
 @pytest.mark.parametrize("args", [["--dataset", "cora"], ["--num-neighbors", "ten"], ["--nprocs", "0"],
-                                  ["--num-workers", "-1"]])
+                                  ["--device", "cpu", "--num-workers", "-1"]])
 def test_bad_flags(args):
     r = run_script("gcn_ddp.py", *args, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr
