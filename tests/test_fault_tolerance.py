@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import DATA_DIR, SCRIPTS, script_env
+from conftest import DATA_DIR, SCRIPTS, script_env, torchrun
 
 JOBS = {
     "mnist_ddp_cpu.py": lambda dataset: ["--model", "convnet", "--max-steps", "100000", "--dataset", dataset,
@@ -22,13 +22,15 @@ JOBS = {
 
 
 @contextlib.contextmanager
-def training_job(script, dataset):
+def training_job(script, dataset, under_torchrun=False):
     """Start a 2-rank job as a terminal would (own session, SIGINT not ignored) and yield
-    (launcher, its two ranks, all its processes) once both ranks train. Kills what is left after."""
+    (launcher, its two ranks, all its processes) once both ranks train. Kills what is left after.
+    The launcher is the script itself (mp.spawn), or torchrun."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    start = [*torchrun(2), str(SCRIPTS / script)] if under_torchrun else [str(SCRIPTS / script), "--nprocs", "2"]
     launcher = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / script), "--nprocs", "2", "--timeout", "60", *JOBS[script](dataset)],
+        [sys.executable, *start, "--timeout", "60", *JOBS[script](dataset)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     family = []
@@ -37,7 +39,8 @@ def training_job(script, dataset):
         header = launcher.stdout.readline()
         assert header.startswith("training"), header + launcher.stderr.read()
         time.sleep(3)
-        ranks = [p for p in psutil.Process(launcher.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        ranks = [p for p in psutil.Process(launcher.pid).children()  # not multiprocessing's helper
+                 if "resource_tracker" not in " ".join(p.cmdline())]
         assert len(ranks) == 2
         family = psutil.Process(launcher.pid).children(recursive=True)
         if script == "gcn_ddp.py":
@@ -83,3 +86,17 @@ def test_interrupted_job_stops_its_workers(script, how, dataset):
         stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
         assert launcher.returncode == 130
         assert stderr.strip().splitlines()[-1] == f"{script}: interrupted; all workers stopped", stderr
+
+
+def test_ctrl_c_under_torchrun_leaves_nothing(dataset):
+    """torchrun stops its ranks itself; the ranks' forked sampling workers must go with them, and
+    the script adds one line, from rank 0."""
+    with training_job("gcn_ddp.py", dataset, under_torchrun=True) as (launcher, ranks, family):
+        os.killpg(launcher.pid, signal.SIGINT)
+        since = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        assert time.monotonic() - since < 20
+        _, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, f"left behind: {[(p.pid, ' '.join(p.cmdline())[:80]) for p in alive]}"
+        assert launcher.returncode != 0
+        assert stderr.count("gcn_ddp.py: interrupted; all workers stopped") == 1, stderr
