@@ -28,7 +28,8 @@ def training_job(script, dataset, under_torchrun=False):
     The launcher is the script itself (mp.spawn), or torchrun."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
-    start = [*torchrun(2), str(SCRIPTS / script)] if under_torchrun else [str(SCRIPTS / script), "--nprocs", "2"]
+    path = str(SCRIPTS / script)
+    start = [*torchrun(2), path] if under_torchrun else [path, "--nprocs", "2"]
     launcher = subprocess.Popen(
         [sys.executable, *start, "--timeout", "60", *JOBS[script](dataset)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
