@@ -315,11 +315,11 @@ def spawn_workers(nprocs, *worker_args):
         while not workers.join():  # True once all have finished; raises when one has failed
             pass
     except KeyboardInterrupt:  # pass it on to the workers started; kill any left after 10 s
-        started = mp.active_children()
+        started, deadline = mp.active_children(), time.monotonic() + 10
         for process in started:
             os.kill(process.pid, signal.SIGINT)
         for process in started:
-            process.join(10)
+            process.join(max(0, deadline - time.monotonic()))  # 10 s for all, not 10 s each
             if process.is_alive():
                 process.kill()
         raise
