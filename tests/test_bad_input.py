@@ -61,23 +61,27 @@ def test_master_port_in_use(script):
     assert f"MASTER_PORT={port}" in line
 
 
+@pytest.fixture
+def blocker(tmp_path):
+    """A file where a folder would have to be created: no folder can be made below it (even as root)."""
+    path = tmp_path / "a-file"
+    path.write_text("not a folder")
+    return path
+
+
 @pytest.mark.parametrize("script", [*SCRIPTS, "gcn_ddp.py"])
 @pytest.mark.parametrize("flag", ["--metrics-json", "--save"])
-def test_output_that_cannot_be_written_is_refused_before_training(tmp_path, script, flag):
-    """Not after an hour of training: a folder that cannot be created (here, a file is in the way)."""
+def test_output_that_cannot_be_written_is_refused_before_training(blocker, script, flag):
+    """Not after an hour of training."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
     cpu = ["--device", "cpu", "--num-nodes", "2000"] if script == "gcn_ddp.py" else CPU_ONLY.get(script, [])
     line = refused(script, *cpu, "--max-steps", "1", flag, blocker / "out")
     assert f"cannot write {blocker / 'out'}" in line
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_data_dir_that_cannot_be_created(tmp_path, script):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
+def test_data_dir_that_cannot_be_created(blocker, script):
     line = refused(script, *CPU_ONLY.get(script, []), "--data-dir", blocker / "data")
     assert "cannot use --data-dir" in line
 
