@@ -412,6 +412,35 @@ def train(rank, local_rank, world_size, data, split, metric, args):
                            "epochs": history}, f, indent=2)
 
 
+def prepare_in_turns(prepare, choice, rank, timeout):
+    """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
+    download into the same folder at once. Rank 0 goes first and decides (e.g. what --dataset
+    auto means). Then the first process of each other machine: it downloads a copy only where
+    rank 0's files are not visible (no shared filesystem). Then all the others, which find the
+    files in place. A turn ends when every rank knows that it went well; an error in any rank
+    stops all of them with its one line. A first download can outlast --timeout, so the turns
+    get a process group with a timeout of their own."""
+    group = dist.new_group(timeout=timedelta(seconds=timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    try:
+        for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
+            error = None
+            if mine:
+                try:
+                    choice = prepare(choice)
+                except UsageError as err:
+                    error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
+            outcomes = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
+            errors = [e for e, _ in outcomes if e]
+            if errors:
+                raise UsageError(errors[0])
+            choice = outcomes[0][1]  # rank 0's decision, for every rank
+    finally:
+        dist.destroy_process_group(group)
+    return choice
+
+
 # --------------------------------------------------------------------------- launching
 def free_port():
     """A port for rank 0 to listen on: the user's MASTER_PORT if free, else one the OS picks."""
@@ -432,7 +461,7 @@ def free_port():
 
 def worker(rank, world_size, args, graph=None):
     """What each process runs, whether spawned below (graph passed in shared memory) or started by
-    torchrun (graph loaded here, rank 0 first)."""
+    torchrun (graph loaded here by every rank, in turns)."""
     local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -440,15 +469,18 @@ def worker(rank, world_size, args, graph=None):
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
     try:
-        if graph is None:  # torchrun: rank 0 prepares (downloads, processes) first, then the others
-            device_ids = [local_rank] if args.backend == "nccl" else None
-            if rank != 0:
-                dist.barrier(device_ids=device_ids)
-            graph = load_dataset(args)
-            if rank == 0:
-                dist.barrier(device_ids=device_ids)
-            check_enough_seeds(graph[1], world_size)
-            prepare_graph(graph[0])
+        if graph is None:  # torchrun: no launcher has loaded the graph; the ranks do, in turns
+            loaded = {}
+
+            def load(dataset):  # downloads and processes the dataset where it is not on disk yet
+                args.dataset = dataset
+                loaded["graph"] = load_dataset(args)
+                check_enough_seeds(loaded["graph"][1], world_size)
+                prepare_graph(loaded["graph"][0])
+                return args.dataset
+
+            args.dataset = prepare_in_turns(load, args.dataset, rank, args.prepare_timeout)
+            graph = loaded["graph"]
         train(rank, local_rank, world_size, *graph, args)
     except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
         if rank == 0:
@@ -612,6 +644,9 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     p.add_argument("--timeout", type=positive(int), default=300,
                    help="seconds any collective may wait for the other ranks before failing")
+    p.add_argument("--prepare-timeout", type=positive(int), default=3600,
+                   help="under torchrun: seconds a rank may wait while others download and "
+                        "prepare the data")
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"

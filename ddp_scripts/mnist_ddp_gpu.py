@@ -166,9 +166,10 @@ def evaluate(model, images, labels, rank, world_size):
 def train(rank, local_rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if args.prepare_in_rank0:  # torchrun: no launcher ran prepare_data, so rank 0 does, once
-        args.dataset = share_from_rank0(lambda: prepare_data(args.dataset, args.data_dir,
-                                                             verbose=not args.quiet), rank, device)
+    if args.prepare_in_workers:  # torchrun: no launcher has prepared the data; the ranks do
+        args.dataset = prepare_in_turns(
+            lambda dataset: prepare_data(dataset, args.data_dir, verbose=not args.quiet),
+            args.dataset, rank, args.prepare_timeout)
     # MNIST (200 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
@@ -260,18 +261,33 @@ def train(rank, local_rank, world_size, args):
                            "epochs": history}, f, indent=2)
 
 
-def share_from_rank0(fn, rank, device=None):
-    """Run fn on rank 0 only; the other ranks wait (a barrier) and receive its result or its error."""
-    result = [None]
-    if rank == 0:
-        try:
-            result = [("ok", fn())]
-        except UsageError as err:
-            result = [("error", str(err))]
-    dist.broadcast_object_list(result, src=0, device=device)  # NCCL moves objects via the GPU
-    if result[0][0] == "error":
-        raise UsageError(result[0][1])
-    return result[0][1]
+def prepare_in_turns(prepare, choice, rank, timeout):
+    """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
+    download into the same folder at once. Rank 0 goes first and decides (e.g. what --dataset
+    auto means). Then the first process of each other machine: it downloads a copy only where
+    rank 0's files are not visible (no shared filesystem). Then all the others, which find the
+    files in place. A turn ends when every rank knows that it went well; an error in any rank
+    stops all of them with its one line. A first download can outlast --timeout, so the turns
+    get a process group with a timeout of their own."""
+    group = dist.new_group(timeout=timedelta(seconds=timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    try:
+        for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
+            error = None
+            if mine:
+                try:
+                    choice = prepare(choice)
+                except UsageError as err:
+                    error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
+            outcomes = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
+            errors = [e for e, _ in outcomes if e]
+            if errors:
+                raise UsageError(errors[0])
+            choice = outcomes[0][1]  # rank 0's decision, for every rank
+    finally:
+        dist.destroy_process_group(group)
+    return choice
 
 
 # --------------------------------------------------------------------------- launching
@@ -344,7 +360,7 @@ def launch(args):
         print(f"running on CPU with {args.backend}: the GPU lesson's code, without GPUs", flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Started by torchrun: this process already is one rank, and torchrun set MASTER_ADDR/PORT.
-        args.prepare_in_rank0 = True
+        args.prepare_in_workers = True
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
     # Started by hand: prepare the data once, here, before any worker exists; then spawn
@@ -352,7 +368,7 @@ def launch(args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
-    args.prepare_in_rank0 = False
+    args.prepare_in_workers = False
     if args.nprocs > cpu_cores() and not args.quiet:
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
@@ -434,6 +450,9 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     p.add_argument("--timeout", type=positive(int), default=300,
                    help="seconds any collective may wait for the other ranks before failing")
+    p.add_argument("--prepare-timeout", type=positive(int), default=3600,
+                   help="under torchrun: seconds a rank may wait while others download and "
+                        "prepare the data")
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"

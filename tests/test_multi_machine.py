@@ -1,0 +1,121 @@
+"""torchrun on two "machines": two torchrun agents on this one (--nnodes 2, static rendezvous), each
+told a different --data-dir, as two machines without a shared filesystem would see it. The data
+must be prepared on each machine (once), rank 0 decides which dataset, and a failure on either
+machine stops both with one line. Also: a first preparation longer than --timeout is waited for."""
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, SCRIPTS, read_metrics, run_script, script_env, torchrun
+
+MNIST = ["--model", "linear", "--max-steps", 20]
+# Offline for urllib: every download goes to a proxy on a port where nothing listens.
+OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180):
+    """Start one torchrun agent per entry of node_args (its node rank is its index) and wait for
+    both. Returns [(returncode, stdout + stderr), ...] and the seconds until both had ended."""
+    port, agents = free_port(), []
+    for node, (args, nprocs) in enumerate(zip(node_args, procs)):
+        launcher = ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    "--nproc-per-node", str(nprocs)]
+        command = [sys.executable, *launcher, str(SCRIPTS / script), *map(str, args)]
+        agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, cwd=REPO, env=script_env(**(env or {}))))
+    start, results = time.monotonic(), []
+    try:
+        for agent in agents:
+            output, _ = agent.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+            results.append((agent.returncode, output))
+    finally:
+        for agent in agents:
+            agent.kill()
+    return results, time.monotonic() - start
+
+
+def assert_one_line_error(results, script, message):
+    """Both agents failed; exactly one rank printed the error, with no Python traceback of a rank."""
+    assert all(code != 0 for code, _ in results), results
+    lines = [line for _, out in results for line in out.splitlines() if line.startswith(f"{script}: error:")]
+    assert len(lines) == 1, lines
+    assert message in lines[0], lines[0]
+    assert not any("]: Traceback" in out for _, out in results), results  # "[rank1]: Traceback"
+    return lines[0]
+
+
+def test_a_machine_without_the_data_prepares_its_own_copy(tmp_path, data_args):
+    dataset = data_args[1]
+    other = tmp_path / "other-machine"
+    out = tmp_path / "m.json"
+    results, _ = two_machines("mnist_ddp_cpu.py", [
+        [*MNIST, *data_args, "--metrics-json", out],
+        [*MNIST, "--dataset", "auto", "--data-dir", other]], env=OFFLINE)
+    assert all(code == 0 for code, _ in results), results
+    assert sum(out.count("done:") for _, out in results) == 1
+    # rank 0 chose the dataset (its own copy); the other machine fetched the same one for itself
+    assert read_metrics(out)["dataset"] == dataset
+    folder = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[dataset]
+    assert len(list((other / folder / "raw").glob("*-ubyte"))) == 4
+
+
+def test_a_machine_that_cannot_prepare_the_data_stops_both_in_one_line(tmp_path, data_args):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    results, seconds = two_machines("mnist_ddp_cpu.py", [
+        [*MNIST, *data_args],
+        [*MNIST, *data_args[:2], "--data-dir", blocker / "data"]])
+    line = assert_one_line_error(results, "mnist_ddp_cpu.py", "cannot use --data-dir")
+    assert f"(on {socket.gethostname()})" in line  # which machine: it is not rank 0's
+    assert seconds < 60
+
+
+def test_gcn_other_machines_use_rank_0s_dataset(tmp_path):
+    """--dataset auto: rank 0's machine has ogbn-products, the other machine has nothing and is
+    offline. Before, it quietly took the synthetic graph (and DDP failed on mismatched shapes);
+    now it must fetch ogbn-products too, and says that it cannot."""
+    pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
+    from test_gcn import write_ogbn_products_raw
+
+    write_ogbn_products_raw(tmp_path / "first")
+    flags = ["--device", "cpu", "--dataset", "auto", "--batch-size", 60, "--hidden", 16, "--max-steps", 3]
+    results, seconds = two_machines("gcn_ddp.py", [
+        [*flags, "--data-dir", tmp_path / "first"],
+        [*flags, "--data-dir", tmp_path / "second"]], env=OFFLINE)
+    assert_one_line_error(results, "gcn_ddp.py", "ogbn-products is not in")
+    assert seconds < 120
+
+    # With a copy of the raw files there, each machine processes its own (3 ranks in all).
+    shutil.rmtree(tmp_path / "second", ignore_errors=True)
+    write_ogbn_products_raw(tmp_path / "second")
+    out = tmp_path / "m.json"
+    results, _ = two_machines("gcn_ddp.py", [
+        [*flags, "--data-dir", tmp_path / "first", "--metrics-json", out],
+        [*flags, "--data-dir", tmp_path / "second"]], procs=(1, 2), env=OFFLINE)
+    assert all(code == 0 for code, _ in results), results
+    metrics = read_metrics(out)
+    assert (metrics["world_size"], metrics["dataset"]) == (3, "ogbn-products")
+    assert (tmp_path / "second" / "ogbn_products" / "processed" / "geometric_data_processed.pt").exists()
+
+
+def test_a_preparation_longer_than_the_timeout_is_waited_for(tmp_path):
+    """Under torchrun the ranks load the graph in turns; rank 1 waits for rank 0 (~4 s), longer
+    than --timeout 2, which bounds the training's collectives, not the preparation."""
+    pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    out = tmp_path / "m.json"
+    r = run_script("gcn_ddp.py", "--device", "cpu", "--dataset", "synthetic", "--num-nodes", 600_000,
+                   "--batch-size", 64, "--hidden", 16, "--max-steps", 2, "--eval-nodes", 500,
+                   "--timeout", 2, "--metrics-json", out, launcher=torchrun(2), timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert read_metrics(out)["world_size"] == 2
