@@ -422,7 +422,11 @@ def prepare_in_turns(prepare, choice, rank, timeout):
     get a process group with a timeout of their own."""
     group = dist.new_group(timeout=timedelta(seconds=timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    outcomes = [None] * dist.get_world_size()
     try:
+        # A first exchange while no rank is busy: NCCL connects a new group at its first
+        # collective, through the rendezvous store, whose waits are bounded by --timeout.
+        dist.all_gather_object(outcomes, None, group=group)
         for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
             error = None
             if mine:
@@ -430,7 +434,6 @@ def prepare_in_turns(prepare, choice, rank, timeout):
                     choice = prepare(choice)
                 except UsageError as err:
                     error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
-            outcomes = [None] * dist.get_world_size()
             dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
             errors = [e for e, _ in outcomes if e]
             if errors:
