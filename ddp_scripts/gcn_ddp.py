@@ -522,7 +522,8 @@ def check_device(args):
 
 def launch(args):
     check_device(args)
-    check_writable(args.save, args.metrics_json)
+    if int(os.environ.get("RANK", 0)) == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Started by torchrun: this process already is one rank.
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)

@@ -306,7 +306,8 @@ def worker(rank, world_size, args):
 
 
 def launch(args):
-    check_writable(args.save, args.metrics_json)
+    if int(os.environ.get("RANK", 0)) == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # Started by torchrun: this process already is one rank, and torchrun set MASTER_ADDR/PORT.
         args.prepare_in_workers = True

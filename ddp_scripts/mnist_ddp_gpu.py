@@ -358,7 +358,8 @@ def check_device(args):
 
 def launch(args):
     check_device(args)
-    check_writable(args.save, args.metrics_json)
+    if int(os.environ.get("RANK", 0)) == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
     if args.device == "cpu" and not args.quiet and int(os.environ.get("RANK", 0)) == 0:
         print(f"running on CPU with {args.backend}: the GPU lesson's code, without GPUs", flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -119,3 +119,17 @@ def test_a_preparation_longer_than_the_timeout_is_waited_for(tmp_path):
                    "--timeout", 4, "--metrics-json", out, launcher=torchrun(2), timeout=240)
     assert r.returncode == 0, r.stderr
     assert read_metrics(out)["world_size"] == 2
+
+
+def test_only_rank_0s_machine_checks_the_output_paths(tmp_path, data_args):
+    """Only rank 0 writes --save and --metrics-json. A path that the other machine cannot create
+    used to stop its rank before the process group existed, and rank 0 then waited out --timeout."""
+    out = tmp_path / "m.json"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    results, seconds = two_machines("mnist_ddp_cpu.py", [
+        [*MNIST, *data_args, "--metrics-json", out, "--timeout", 60],
+        [*MNIST, *data_args, "--metrics-json", blocker / "m.json", "--timeout", 60]])
+    assert all(code == 0 for code, _ in results), results
+    assert read_metrics(out)["world_size"] == 2
+    assert seconds < 50
