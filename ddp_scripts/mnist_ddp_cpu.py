@@ -325,16 +325,34 @@ def launch(args):
     spawn_workers(args.nprocs, args)
 
 
+def spawned_worker(rank, stop, *worker_args):
+    """What mp.spawn runs in each new process. spawn_workers started it deaf to Ctrl-C: listen again
+    now, and stop at once if the job was interrupted meanwhile; then work."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not stop.is_set():
+        worker(rank, *worker_args)
+
+
 def spawn_workers(nprocs, *worker_args):
     """Run worker(rank, nprocs, *worker_args) in nprocs new processes and wait for them. However
     the run ends, it ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or
     SIGTERM here stops them too (mp.spawn's own join would keep waiting while they train on)."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
+    stop = mp.get_context("spawn").Event()  # set when interrupted, for workers still starting
     try:
-        workers = mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs, join=False)
+        # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
+        # that a Ctrl-C while they import torch prints no traceback from each; they listen again
+        # in spawned_worker. This process stops them, below.
+        listening = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            workers = mp.spawn(spawned_worker, args=(stop, nprocs, *worker_args), nprocs=nprocs,
+                               join=False)
+        finally:
+            signal.signal(signal.SIGINT, listening)
         while not workers.join():  # True once all have finished; raises when one has failed
             pass
     except KeyboardInterrupt:  # pass it on to the workers started; kill any left after 10 s
+        stop.set()  # first: a worker still starting sees it once it listens, the others get SIGINT
         started, deadline = mp.active_children(), time.monotonic() + 10
         for process in started:
             os.kill(process.pid, signal.SIGINT)

@@ -99,3 +99,34 @@ def test_ctrl_c_under_torchrun_leaves_nothing(dataset):
         stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic(), tracebacks_allowed=True)
         assert launcher.returncode != 0
         assert stderr.count("gcn_ddp.py: interrupted; all workers stopped") == 1, stderr
+
+
+def test_ctrl_c_while_the_workers_start_ends_quietly(dataset):
+    """The spawned workers spend their first seconds importing torch (longer on a slow shared
+    filesystem). Ctrl-C then must still end the job in one line, without a traceback per worker."""
+    launcher = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "mnist_ddp_cpu.py"), "--nprocs", "2",
+         *JOBS["mnist_ddp_cpu.py"](dataset)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    family = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until both workers exist, still importing
+            family = psutil.Process(launcher.pid).children(recursive=True)
+            workers = [p for p in family if "resource_tracker" not in " ".join(p.cmdline())]
+            if len(workers) == 2:
+                break
+            time.sleep(0.02)
+        assert len(workers) == 2 and launcher.poll() is None
+        time.sleep(0.3)  # inside `import torch` (which takes over a second here)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
+        assert launcher.returncode == 130
+        assert stderr.strip().splitlines()[-1] == "mnist_ddp_cpu.py: interrupted; all workers stopped", stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()

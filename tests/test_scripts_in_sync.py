@@ -11,11 +11,11 @@ MNIST_SHARED = {"prepare_data", "load_split", "ConvNet", "build_model"}
 PAIRS = [
     ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main"}, MNIST_SHARED),
     ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "launch", "parse_args"},
-     MNIST_SHARED | {"prepare_in_turns"}),
+     MNIST_SHARED | {"prepare_in_turns", "spawn_workers", "spawned_worker"}),
     ("mnist_ddp_gpu.py", "gcn_ddp.py", {"evaluate", "train", "worker", "launch", "check_device",
                                          "parse_args"},
      {"free_port", "Parser", "positive", "cpu_cores", "main", "UsageError", "prepare_in_turns",
-      "spawn_workers", "check_writable"}),
+      "spawn_workers", "spawned_worker", "check_writable"}),
 ]
 
 
