@@ -473,17 +473,15 @@ def worker(rank, world_size, args, graph=None):
                             timeout=timedelta(seconds=args.timeout))
     try:
         if graph is None:  # torchrun: no launcher has loaded the graph; the ranks do, in turns
-            loaded = {}
-
             def load(dataset):  # downloads and processes the dataset where it is not on disk yet
+                nonlocal graph
                 args.dataset = dataset
-                loaded["graph"] = load_dataset(args)
-                check_enough_seeds(loaded["graph"][1], world_size)
-                prepare_graph(loaded["graph"][0])
+                graph = load_dataset(args)
+                check_enough_seeds(graph[1], world_size)
+                prepare_graph(graph[0])
                 return args.dataset
 
             args.dataset = prepare_in_turns(load, args.dataset, rank, args.prepare_timeout)
-            graph = loaded["graph"]
         train(rank, local_rank, world_size, *graph, args)
     except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
         if rank == 0:

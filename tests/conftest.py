@@ -16,6 +16,9 @@ SCRIPTS = REPO / "ddp_scripts"
 DATA_DIR = REPO / "data"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
+# Offline for urllib (pass as script_env(**OFFLINE)): every download goes to a proxy on a port
+# where nothing listens.
+OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 
 
 def load_script(name):
@@ -64,6 +67,14 @@ def refused_before_spawn(module, monkeypatch, argv, gpus):
 def read_metrics(path):
     with open(path) as f:
         return json.load(f)
+
+
+@pytest.fixture
+def blocker(tmp_path):
+    """A file where a folder would have to be created: no folder can be made below it (even as root)."""
+    path = tmp_path / "a-file"
+    path.write_text("not a folder")
+    return path
 
 
 @pytest.fixture(scope="session")

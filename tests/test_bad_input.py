@@ -3,7 +3,7 @@ import socket
 import time
 
 import pytest
-from conftest import run_script, script_env
+from conftest import OFFLINE, run_script, script_env
 
 SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py"]
 CPU_ONLY = {"mnist_ddp_gpu.py": ["--backend", "gloo", "--device", "cpu"]}  # runs without a GPU
@@ -42,11 +42,8 @@ def test_zero_processes(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_mnist_asked_for_offline_without_files(tmp_path, script):
-    # Offline for urllib: every download goes to a proxy on a port where nothing listens.
-    offline = script_env(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
-                         HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9")
     line = refused(script, *CPU_ONLY.get(script, []), "--dataset", "mnist", "--data-dir", tmp_path,
-                   env=offline)
+                   env=script_env(**OFFLINE))
     assert "MNIST" in line and "--dataset fashion-mnist" in line
 
 
@@ -59,14 +56,6 @@ def test_master_port_in_use(script):
         line = refused(script, *CPU_ONLY.get(script, []), "--max-steps", "1",
                        env=script_env(MASTER_PORT=port))
     assert f"MASTER_PORT={port}" in line
-
-
-@pytest.fixture
-def blocker(tmp_path):
-    """A file where a folder would have to be created: no folder can be made below it (even as root)."""
-    path = tmp_path / "a-file"
-    path.write_text("not a folder")
-    return path
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "gcn_ddp.py"])

@@ -4,10 +4,9 @@ import struct
 
 import pytest
 import torch
-from conftest import load_script, read_metrics, run_script, script_env
+from conftest import OFFLINE, load_script, read_metrics, run_script, script_env
 
 single = load_script("mnist_single")
-OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 needs_package = pytest.mark.skipif(
     not os.path.isdir(single.FASHION_MNIST_PACKAGE_DIR),
     reason="Debian's dataset-fashion-mnist is not installed (make setup installs it as root)")

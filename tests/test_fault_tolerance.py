@@ -21,11 +21,18 @@ JOBS = {
 }
 
 
+def ranks_of(launcher):
+    """The launcher's worker processes (not multiprocessing's resource tracker)."""
+    return [p for p in psutil.Process(launcher.pid).children()
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
 @contextlib.contextmanager
-def training_job(script, dataset, under_torchrun=False):
+def training_job(script, dataset, under_torchrun=False, starting=False):
     """Start a 2-rank job as a terminal would (own session, SIGINT not ignored) and yield
-    (launcher, its two ranks, all its processes) once both ranks train. Kills what is left after.
-    The launcher is the script itself (mp.spawn), or torchrun."""
+    (launcher, its two ranks, all its processes) once both ranks train, or with starting=True as
+    soon as both exist (still importing torch). Kills what is left after. The launcher is the
+    script itself (mp.spawn), or torchrun."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
     path = str(SCRIPTS / script)
@@ -36,13 +43,16 @@ def training_job(script, dataset, under_torchrun=False):
         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     family = []
     try:
-        # Rank 0 announces training once both workers are inside the process group.
-        header = launcher.stdout.readline()
-        assert header.startswith("training"), header + launcher.stderr.read()
-        time.sleep(3)
-        ranks = [p for p in psutil.Process(launcher.pid).children()  # not multiprocessing's helper
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-        assert len(ranks) == 2
+        if starting:
+            deadline = time.monotonic() + 60
+            while len(ranks_of(launcher)) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        else:  # rank 0 announces training once both workers are inside the process group
+            header = launcher.stdout.readline()
+            assert header.startswith("training"), header + launcher.stderr.read()
+            time.sleep(3)
+        ranks = ranks_of(launcher)
+        assert len(ranks) == 2 and launcher.poll() is None
         family = psutil.Process(launcher.pid).children(recursive=True)
         if script == "gcn_ddp.py":
             assert sum(len(rank.children()) for rank in ranks) >= 4, "the sampling workers did not start"
@@ -104,29 +114,9 @@ def test_ctrl_c_under_torchrun_leaves_nothing(dataset):
 def test_ctrl_c_while_the_workers_start_ends_quietly(dataset):
     """The spawned workers spend their first seconds importing torch (longer on a slow shared
     filesystem). Ctrl-C then must still end the job in one line, without a traceback per worker."""
-    launcher = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "mnist_ddp_cpu.py"), "--nprocs", "2",
-         *JOBS["mnist_ddp_cpu.py"](dataset)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
-        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    family = []
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until both workers exist, still importing
-            family = psutil.Process(launcher.pid).children(recursive=True)
-            workers = [p for p in family if "resource_tracker" not in " ".join(p.cmdline())]
-            if len(workers) == 2:
-                break
-            time.sleep(0.02)
-        assert len(workers) == 2 and launcher.poll() is None
+    with training_job("mnist_ddp_cpu.py", dataset, starting=True) as (launcher, ranks, family):
         time.sleep(0.3)  # inside `import torch` (which takes over a second here)
         os.killpg(launcher.pid, signal.SIGINT)
         stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
         assert launcher.returncode == 130
         assert stderr.strip().splitlines()[-1] == "mnist_ddp_cpu.py: interrupted; all workers stopped", stderr
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for process in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import (
     GPUS,
+    OFFLINE,
     load_script,
     needs_gpu,
     read_metrics,
@@ -17,8 +18,6 @@ from conftest import (
 pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
 gcn = load_script("gcn_ddp")
 CPU = ["--device", "cpu"]
-# Offline for urllib: every download goes to a proxy on a port where nothing listens.
-offline = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 SMALL = ["--num-nodes", 6000, "--batch-size", 256, "--hidden", 64]
 BF16 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)
 
@@ -226,7 +225,7 @@ def train_offline_with_auto(data_dir, batch_size, expected):
     out = data_dir / "m.json"
     r = run_script("gcn_ddp.py", *CPU, "--nprocs", 2, "--data-dir", data_dir, "--batch-size", batch_size,
                    "--hidden", 32, "--epochs", 4, "--lr", 0.01, "--metrics-json", out,
-                   env=script_env(**offline))
+                   env=script_env(**OFFLINE))
     assert r.returncode == 0, r.stderr
     metrics = read_metrics(out)
     assert (metrics["dataset"], metrics["metric"]) == expected
@@ -248,7 +247,7 @@ def test_amazon_products_loader_processes_raw_files_and_trains_multilabel(tmp_pa
 
 def test_amazon_products_offline_without_files_is_refused(tmp_path):
     r = run_script("gcn_ddp.py", *CPU, "--dataset", "amazon-products", "--data-dir", tmp_path,
-                   env=script_env(**offline), timeout=120)
+                   env=script_env(**OFFLINE), timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "AmazonProducts is not in" in r.stderr.strip().splitlines()[-1]
 
@@ -297,7 +296,7 @@ def test_ogbn_products_loader_processes_raw_files_and_trains(tmp_path):
 def test_ogbn_products_offline_without_files_is_refused_and_leaves_nothing(tmp_path):
     pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
     r = run_script("gcn_ddp.py", *CPU, "--dataset", "ogbn-products", "--data-dir", tmp_path,
-                   env=script_env(**offline), timeout=120)
+                   env=script_env(**OFFLINE), timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "ogbn-products is not in" in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "ogbn_products").exists()  # or ogb would take it for an old release

@@ -9,11 +9,9 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, SCRIPTS, read_metrics, run_script, script_env, torchrun
+from conftest import OFFLINE, REPO, SCRIPTS, read_metrics, run_script, script_env, torchrun
 
 MNIST = ["--model", "linear", "--max-steps", 20]
-# Offline for urllib: every download goes to a proxy on a port where nothing listens.
-OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 
 
 def free_port():
@@ -69,9 +67,7 @@ def test_a_machine_without_the_data_prepares_its_own_copy(tmp_path, data_args):
     assert len(list((other / folder / "raw").glob("*-ubyte"))) == 4
 
 
-def test_a_machine_that_cannot_prepare_the_data_stops_both_in_one_line(tmp_path, data_args):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
+def test_a_machine_that_cannot_prepare_the_data_stops_both_in_one_line(blocker, data_args):
     results, seconds = two_machines("mnist_ddp_cpu.py", [
         [*MNIST, *data_args],
         [*MNIST, *data_args[:2], "--data-dir", blocker / "data"]])
@@ -121,12 +117,10 @@ def test_a_preparation_longer_than_the_timeout_is_waited_for(tmp_path):
     assert read_metrics(out)["world_size"] == 2
 
 
-def test_only_rank_0s_machine_checks_the_output_paths(tmp_path, data_args):
+def test_only_rank_0s_machine_checks_the_output_paths(tmp_path, blocker, data_args):
     """Only rank 0 writes --save and --metrics-json. A path that the other machine cannot create
     used to stop its rank before the process group existed, and rank 0 then waited out --timeout."""
     out = tmp_path / "m.json"
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
     results, seconds = two_machines("mnist_ddp_cpu.py", [
         [*MNIST, *data_args, "--metrics-json", out, "--timeout", 60],
         [*MNIST, *data_args, "--metrics-json", blocker / "m.json", "--timeout", 60]])
