@@ -519,13 +519,14 @@ def check_device(args):
 
 
 def launch(args):
-    check_device(args)
-    if int(os.environ.get("RANK", 0)) == 0:  # only rank 0 writes them (on its own machine)
-        check_writable(args.save, args.metrics_json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # Started by torchrun: this process already is one rank.
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        # Started by torchrun: this process already is one rank. Every rank checks its set-up,
+        # and learns how the others' went, before joining the group.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        roll_call(lambda: check_setup(args, rank), rank, world_size, args.timeout)
+        worker(rank, world_size, args)
         return
+    check_setup(args, rank=0)
     # Started by hand: load the graph ONCE, here, into shared memory; the spawned ranks receive
     # handles to it (torch.multiprocessing passes shared tensors without copying them).
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -536,6 +537,55 @@ def launch(args):
     for value in split.values():
         value.share_memory_()
     spawn_workers(args.nprocs, args, (data, split, metric))
+
+
+def check_setup(args, rank):
+    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    check_device(args)
+    if rank == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
+
+
+def roll_call(check, rank, world_size, timeout):
+    """torchrun: every rank runs check() (GPUs, libraries, output paths) and tells all the others
+    how it went, through torchrun's store, before any rank joins the process group. A refusal on
+    one machine then stops every rank within seconds, in one line from rank 0; without the roll
+    call the other machines would wait --timeout for a rank that has gone."""
+    problem = ""
+    try:
+        check()
+    except UsageError as err:
+        problem = str(err) if rank == 0 else f"{err} (rank {rank}, on {socket.gethostname()})"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # RANK set by hand: no store yet
+        if problem:
+            raise UsageError(problem)
+        return
+    # Keys of this run and this attempt (torchrun --max-restarts starts the ranks again).
+    prefix = "roll-call/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
+                                       os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=timeout))
+        store.set(keys[rank], problem)
+        store.wait(keys)  # every rank has reported
+        problems = [p for p in (store.get(key).decode() for key in keys) if p]
+        store.add(prefix + "read", 1)
+        # Stay until all have read them: the store lives in rank 0's torchrun, which stops when
+        # one of its ranks ends.
+        deadline = time.monotonic() + timeout
+        while problems and store.add(prefix + "read", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except dist.DistError:  # a rank did not report in time (it failed while starting?)
+        if problem or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
+            raise UsageError(problem or f"not every rank reported for the roll call (waited up to "
+                                        f"--timeout {timeout} s): look for the error in each "
+                                        f"machine's output") from None
+        sys.exit(1)
+    if problems:
+        if rank == 0:
+            raise UsageError(problems[0])
+        sys.exit(1)  # silently: rank 0 says why
 
 
 def spawned_worker(rank, stop, *worker_args):
@@ -590,8 +640,10 @@ def cpu_cores():
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        sys.exit(f"{self.prog}: error: {message} (see --help)")
+    def error(self, message):  # one line, no usage dump; under torchrun, once per machine
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def positive(kind):

@@ -3,7 +3,7 @@ import socket
 import time
 
 import pytest
-from conftest import OFFLINE, run_script, script_env
+from conftest import OFFLINE, run_script, script_env, torchrun
 
 SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py"]
 CPU_ONLY = {"mnist_ddp_gpu.py": ["--backend", "gloo", "--device", "cpu"]}  # runs without a GPU
@@ -82,3 +82,17 @@ def test_missing_output_folders_are_created(tmp_path, script, data_args):
                    "--metrics-json", metrics, *data_args)
     assert r.returncode == 0, r.stderr
     assert save.stat().st_size > 0 and metrics.stat().st_size > 0
+
+
+@pytest.mark.parametrize("script, args, expected", [
+    ("mnist_ddp_cpu.py", ["--epochs", "0"], "--epochs"),  # the parser: once per machine
+    ("mnist_ddp_gpu.py", ["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs a GPU"),  # a check
+])
+def test_under_torchrun_a_refusal_is_said_once(script, args, expected):
+    """Every rank refuses; one of them says so (it was one line from each rank)."""
+    start = time.monotonic()
+    r = run_script(script, *args, launcher=torchrun(2), timeout=LIMIT_S + 30)
+    assert r.returncode != 0 and time.monotonic() - start < LIMIT_S
+    lines = [line for line in r.stderr.splitlines() if line.startswith(f"{script}: error:")]
+    assert len(lines) == 1 and expected in lines[0], r.stderr
+    assert "]: Traceback" not in r.stderr

@@ -23,7 +23,7 @@ def test_cpu_fallback_trains_with_two_processes(tmp_path, data_args, dataset, am
     r = run_script("mnist_ddp_gpu.py", *CPU, "--nprocs", 2, "--amp", amp, "--max-steps", 60,
                    "--metrics-json", out, *data_args)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("running on CPU with gloo") == 1  # the fallback is announced, once
+    assert r.stdout.count("2 processes on CPU (gloo") == 1  # the header line says where, once
     metrics = read_metrics(out)
     assert (metrics["world_size"], metrics["device"], metrics["backend"], metrics["amp"]) == \
         (2, "cpu", "gloo", amp)

@@ -127,3 +127,43 @@ def test_only_rank_0s_machine_checks_the_output_paths(tmp_path, blocker, data_ar
     assert all(code == 0 for code, _ in results), results
     assert read_metrics(out)["world_size"] == 2
     assert seconds < 50
+
+
+# A refusal that only one machine makes (its GPUs, its libraries; played here by a flag that only
+# that machine's command has): the roll call before the process group stops both machines within
+# seconds, with one line from rank 0. Before it, the other machine waited out --timeout (then a Gloo
+# traceback), or, when rank 0's machine refused, the other printed a 40-line C++ warning.
+GPU_SCRIPT_ON_CPU = [*MNIST, "--device", "cpu", "--timeout", 120]
+
+
+@pytest.mark.parametrize("refusing", [1, 0], ids=["other-machine-refuses", "rank-0s-machine-refuses"])
+def test_a_refusal_on_one_machine_stops_both_at_once(refusing, data_args):
+    node_args = [[*GPU_SCRIPT_ON_CPU, *data_args] for _ in range(2)]
+    node_args[refusing] += ["--amp", "fp16"]
+    results, seconds = two_machines("mnist_ddp_gpu.py", node_args, procs=(2, 2))
+    line = assert_one_line_error(results, "mnist_ddp_gpu.py", "--amp fp16 needs a GPU")
+    assert f"(rank 2, on {socket.gethostname()})" in line if refusing else "(rank" not in line
+    assert not any("Connection was likely closed" in out for _, out in results), results
+    assert seconds < 60  # not --timeout
+
+
+def test_gcn_refusal_on_one_machine_stops_both_at_once():
+    pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    flags = ["--device", "cpu", "--dataset", "synthetic", "--num-nodes", 2000, "--timeout", 120]
+    results, seconds = two_machines("gcn_ddp.py", [flags, [*flags, "--num-neighbors", 5]])
+    assert_one_line_error(results, "gcn_ddp.py", "takes 2 fan-outs")
+    assert seconds < 60
+
+
+def test_a_rank_that_never_reports_is_waited_for_within_the_timeout(data_args):
+    """The other machine's command has a typo: its ranks stop at the parser, and rank 0's machine
+    waits --timeout in the roll call, then says so in one line."""
+    results, seconds = two_machines("mnist_ddp_cpu.py", [
+        [*MNIST, *data_args, "--timeout", 5], [*MNIST, *data_args, "--epochs", 0]], procs=(2, 2))
+    assert all(code != 0 for code, _ in results), results
+    [first], [second] = [[line for line in out.splitlines() if line.startswith("mnist_ddp_cpu.py: error:")]
+                         for _, out in results]
+    assert "not every rank reported for the roll call (waited up to --timeout 5 s)" in first
+    assert "--epochs" in second  # once, from the machine's first process
+    assert not any("]: Traceback" in out for _, out in results), results
+    assert seconds < 60

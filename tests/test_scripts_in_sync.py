@@ -9,13 +9,14 @@ MNIST_SHARED = {"prepare_data", "load_split", "ConvNet", "build_model"}
 # (earlier lesson, next lesson, what the next lesson may change, what it must share):
 # the diff is the lesson itself.
 PAIRS = [
-    ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main"}, MNIST_SHARED),
-    ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "launch", "parse_args"},
-     MNIST_SHARED | {"prepare_in_turns", "spawn_workers", "spawned_worker"}),
+    ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main", "Parser"},
+     MNIST_SHARED),
+    ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "check_setup", "parse_args"},
+     MNIST_SHARED | {"prepare_in_turns", "roll_call", "launch", "spawn_workers", "spawned_worker"}),
     ("mnist_ddp_gpu.py", "gcn_ddp.py", {"evaluate", "train", "worker", "launch", "check_device",
                                          "parse_args"},
      {"free_port", "Parser", "positive", "cpu_cores", "main", "UsageError", "prepare_in_turns",
-      "spawn_workers", "spawned_worker", "check_writable"}),
+      "roll_call", "check_setup", "spawn_workers", "spawned_worker", "check_writable"}),
 ]
 
 
