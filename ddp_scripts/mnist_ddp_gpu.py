@@ -415,7 +415,7 @@ def roll_call(check, rank, world_size, timeout):
         deadline = time.monotonic() + timeout
         while problems and store.add(prefix + "read", 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.05)
-    except dist.DistError:  # a rank did not report in time (it failed while starting?)
+    except RuntimeError:  # torch's DistError: a rank did not report in time, or the store is gone
         if problem or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
             raise UsageError(problem or f"not every rank reported for the roll call (waited up to "
                                         f"--timeout {timeout} s): look for the error in each "
