@@ -347,9 +347,9 @@ def roll_call(check, rank, world_size, timeout):
         if problem:
             raise UsageError(problem)
         return
-    # Keys of this run and this attempt (torchrun --max-restarts starts the ranks again).
-    prefix = "roll-call/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
-                                       os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    # Keys of this run, attempt (torchrun --max-restarts starts the ranks again) and world size.
+    prefix = "roll-call/{}/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
+                                          os.environ.get("TORCHELASTIC_RESTART_COUNT"), world_size)
     keys = [f"{prefix}{r}" for r in range(world_size)]
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
