@@ -173,8 +173,9 @@ def have_ogbn_products(data_dir):
                   "split/sales_ranking/train.csv.gz"))
 
 
-def load_dataset(args):
-    """The graph, its node splits and its metric name."""
+def load_dataset(args, mapped=False):
+    """The graph, its node splits and its metric name. mapped (torchrun): a real graph comes
+    sorted, mapped from a file that the ranks of a machine share (mapped_copy)."""
     if args.dataset == "auto":  # a real graph only if it is already on disk: it is gigabytes
         args.dataset = ("ogbn-products" if have_ogbn_products(args.data_dir) else
                         "amazon-products" if have_amazon_products(args.data_dir) else "synthetic")
@@ -182,20 +183,63 @@ def load_dataset(args):
             print(f"neither ogbn-products nor AmazonProducts is in {args.data_dir}: using a synthetic "
                   f"graph of {args.num_nodes:,} nodes (--dataset ogbn-products downloads a real one)",
                   flush=True)
-    if args.dataset == "ogbn-products":
-        return ogbn_products(args.data_dir)
-    if args.dataset == "amazon-products":
-        return amazon_products(args.data_dir)
-    return synthetic_graph(args.num_nodes, seed=args.seed)
+    if args.dataset == "synthetic":
+        return synthetic_graph(args.num_nodes, seed=args.seed)
+    load = ogbn_products if args.dataset == "ogbn-products" else amazon_products
+    if mapped:
+        return mapped_copy(load, args.data_dir, os.path.join(args.data_dir, PROCESSED[args.dataset]))
+    return load(args.data_dir)
 
 
-def prepare_graph(data):
-    """Sort edges by target once, so that each rank's sampler reads them in place (CSC) instead of
-    building its own sorted copy, and put every tensor in shared memory: spawned ranks then map
-    the launcher's single copy instead of holding one each."""
+# Where ogb and PyG keep each real graph once processed; mapped_copy saves its copy beside it.
+PROCESSED = {"ogbn-products": os.path.join("ogbn_products", "processed", "geometric_data_processed.pt"),
+             "amazon-products": os.path.join("AmazonProducts", "processed", "data.pt")}
+
+
+def mapped_copy(load, data_dir, processed):
+    """torchrun: every rank is a program of its own and would hold a graph of its own (3 GB each
+    for ogbn-products). Instead, the first rank of a machine loads the graph, sorts its edges and
+    saves it beside the dataset's processed file; then every rank maps that file into memory
+    (torch.load(mmap=True)), and the ranks of the machine share its pages, as spawned ranks
+    share the launcher's copy."""
+    from torch_geometric.data import Data
+
+    path = os.path.join(os.path.dirname(processed), "sorted_for_ddp.pt")
+    if not (os.path.exists(path) and os.path.exists(processed)
+            and os.path.getmtime(path) >= os.path.getmtime(processed)):  # none saved since processing
+        data, split, metric = load(data_dir)
+        sort_edges(data)
+        part = f"{path}.{socket.gethostname()}.{os.getpid()}.part"
+        try:
+            with open(part, "wb") as f:  # (a Python file: failures are OSErrors with a reason)
+                torch.save({"x": data.x, "edge_index": data.edge_index, "y": data.y,
+                            "num_nodes": data.num_nodes, "split": split, "metric": metric}, f)
+            os.replace(part, path)  # atomic: no rank ever maps half a file
+        except OSError as err:  # e.g. a read-only dataset folder: this rank keeps its own copy
+            if os.path.isfile(part):
+                os.remove(part)
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                print(f"note: cannot save {path} ({err.strerror}): each rank holds its own copy of "
+                      f"the graph", flush=True)
+            return data, split, metric
+    saved = torch.load(path, mmap=True, weights_only=True)  # pages shared with the other ranks
+    data = Data(x=saved["x"], edge_index=saved["edge_index"], y=saved["y"], num_nodes=saved["num_nodes"])
+    return data, saved["split"], saved["metric"]
+
+
+def sort_edges(data):
+    """Sort the edges by target once, so that each rank's sampler reads them in place (CSC)
+    instead of building its own sorted copy."""
     from torch_geometric.utils import sort_edge_index
 
     data.edge_index = sort_edge_index(data.edge_index, num_nodes=data.num_nodes, sort_by_row=False)
+    return data
+
+
+def prepare_graph(data):
+    """mp.spawn: sort the edges once, and put every tensor in shared memory: the spawned ranks then
+    map the launcher's single copy instead of holding one each."""
+    sort_edges(data)
     for key, value in data:
         if torch.is_tensor(value):
             value.share_memory_()
@@ -464,7 +508,7 @@ def free_port():
 
 def worker(rank, world_size, args, graph=None):
     """What each process runs, whether spawned below (graph passed in shared memory) or started by
-    torchrun (graph loaded here by every rank, in turns)."""
+    torchrun (graph loaded here by every rank, in turns, a real one mapped from a shared file)."""
     local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -476,9 +520,10 @@ def worker(rank, world_size, args, graph=None):
             def load(dataset):  # downloads and processes the dataset where it is not on disk yet
                 nonlocal graph
                 args.dataset = dataset
-                graph = load_dataset(args)
+                graph = load_dataset(args, mapped=True)
                 check_enough_seeds(graph[1], world_size)
-                prepare_graph(graph[0])
+                if args.dataset == "synthetic":  # made by each rank; a real graph comes sorted
+                    sort_edges(graph[0])
                 return args.dataset
 
             args.dataset = prepare_in_turns(load, args.dataset, rank, args.prepare_timeout)

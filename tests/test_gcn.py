@@ -1,5 +1,8 @@
 """Lesson 4: the GCN under DDP (synthetic graph, ogbn-products and AmazonProducts from tiny raw
 files in their own layouts), per-rank seed chunks, mixed precision, refusals, the batch figure."""
+import os
+import socket
+import sys
 
 import pytest
 import torch
@@ -293,6 +296,55 @@ def test_ogbn_products_loader_processes_raw_files_and_trains(tmp_path):
     assert [len(split[k]) for k in ("train", "val", "test")] == [360, 120, 120]
     final = train_offline_with_auto(tmp_path, 60, ("ogbn-products", "accuracy"))
     assert final["test_metric"] > 0.5  # 5 classes: chance is 0.2
+
+
+def mapped_from(tensor, path):
+    """Whether the tensor's memory is a mapping of the file at path (Linux: /proc/self/maps)."""
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *_, name = line.split(maxsplit=5)
+        start, end = (int(a, 16) for a in span.split("-"))
+        if name.strip() == str(path) and start <= address < end:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_under_torchrun_a_real_graph_is_mapped_from_one_sorted_file(tmp_path, monkeypatch):
+    """Each torchrun rank loads the graph itself: the first saves it, sorted, beside the dataset's
+    processed file, and every rank maps that file (pages shared, not a copy per rank)."""
+    pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
+    write_ogbn_products_raw(tmp_path)
+    args = gcn.parse_args(["--dataset", "ogbn-products", "--data-dir", str(tmp_path)])
+    reference = gcn.prepare_graph(gcn.ogbn_products(str(tmp_path))[0])  # what mp.spawn's ranks get
+    saved = tmp_path / "ogbn_products" / "processed" / "sorted_for_ddp.pt"
+    data, split, metric = gcn.load_dataset(args, mapped=True)
+    assert saved.exists() and metric == "accuracy" and len(split["train"]) == 360
+    for key in ("x", "edge_index", "y"):
+        assert torch.equal(data[key], reference[key]), key
+        assert mapped_from(data[key], saved), key
+    written = saved.stat().st_mtime_ns
+    again = gcn.load_dataset(args, mapped=True)[0]  # the next rank maps the same file
+    assert saved.stat().st_mtime_ns == written and mapped_from(again.x, saved)
+    # Processed again (a new download): the sorted copy is made again.
+    processed = tmp_path / "ogbn_products" / "processed" / "geometric_data_processed.pt"
+    os.utime(processed, ns=(written + 10**9, written + 10**9))
+    gcn.load_dataset(args, mapped=True)
+    assert saved.stat().st_mtime_ns > written
+
+
+def test_when_the_sorted_copy_cannot_be_saved_each_rank_keeps_its_own(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    write_ogbn_products_raw(tmp_path)
+    args = gcn.parse_args(["--dataset", "ogbn-products", "--data-dir", str(tmp_path)])
+    gcn.ogbn_products(str(tmp_path))
+    saved = tmp_path / "ogbn_products" / "processed" / "sorted_for_ddp.pt"
+    (saved.parent / f"{saved.name}.{socket.gethostname()}.{os.getpid()}.part").mkdir()  # blocks the write
+    data, split, _ = gcn.load_dataset(args, mapped=True)
+    assert not saved.exists() and "each rank holds its own copy" in capsys.readouterr().out
+    assert data.num_nodes == 600 and len(split["train"]) == 360
+    assert bool((data.edge_index[1][1:] >= data.edge_index[1][:-1]).all())  # sorted all the same
 
 
 def test_ogbn_products_offline_without_files_is_refused_and_leaves_nothing(tmp_path):

@@ -102,7 +102,10 @@ def test_gcn_other_machines_use_rank_0s_dataset(tmp_path):
     assert all(code == 0 for code, _ in results), results
     metrics = read_metrics(out)
     assert (metrics["world_size"], metrics["dataset"]) == (3, "ogbn-products")
-    assert (tmp_path / "second" / "ogbn_products" / "processed" / "geometric_data_processed.pt").exists()
+    for machine in ("first", "second"):  # processed, and sorted for the ranks to map, on each
+        processed = tmp_path / machine / "ogbn_products" / "processed"
+        assert (processed / "geometric_data_processed.pt").exists()
+        assert (processed / "sorted_for_ddp.pt").exists()
 
 
 def test_a_preparation_longer_than_the_timeout_is_waited_for(tmp_path):
