@@ -95,6 +95,11 @@ def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
     return data, split, "accuracy"
 
 
+# Where PyG and ogb keep each real graph once processed (mapped_copy saves its copy beside it).
+PROCESSED = {"ogbn-products": os.path.join("ogbn_products", "processed", "geometric_data_processed.pt"),
+             "amazon-products": os.path.join("AmazonProducts", "processed", "data.pt")}
+
+
 def amazon_products(data_dir):
     """PyG's AmazonProducts (1,569,960 nodes, 200 features, 107 classes, multi-label): downloaded
     into data_dir/AmazonProducts/raw on first use, then processed once into processed/data.pt."""
@@ -118,7 +123,7 @@ def amazon_products(data_dir):
 
 def have_amazon_products(data_dir):
     root = os.path.join(data_dir, "AmazonProducts")
-    return os.path.exists(os.path.join(root, "processed", "data.pt")) or all(
+    return os.path.exists(os.path.join(data_dir, PROCESSED["amazon-products"])) or all(
         os.path.exists(os.path.join(root, "raw", f))
         for f in ("adj_full.npz", "feats.npy", "class_map.json", "role.json"))
 
@@ -167,15 +172,15 @@ def ogbn_products(data_dir):
 
 def have_ogbn_products(data_dir):
     root = os.path.join(data_dir, "ogbn_products")
-    return os.path.exists(os.path.join(root, "processed", "geometric_data_processed.pt")) or all(
+    return os.path.exists(os.path.join(data_dir, PROCESSED["ogbn-products"])) or all(
         os.path.exists(os.path.join(root, f))
         for f in ("RELEASE_v1.txt", "raw/edge.csv.gz", "raw/node-feat.csv.gz", "raw/node-label.csv.gz",
                   "split/sales_ranking/train.csv.gz"))
 
 
 def load_dataset(args, mapped=False):
-    """The graph, its node splits and its metric name. mapped (torchrun): a real graph comes
-    sorted, mapped from a file that the ranks of a machine share (mapped_copy)."""
+    """The graph, its node splits and its metric name. mapped (torchrun): edges sorted, and a real
+    graph mapped from a file that the ranks of a machine share (mapped_copy)."""
     if args.dataset == "auto":  # a real graph only if it is already on disk: it is gigabytes
         args.dataset = ("ogbn-products" if have_ogbn_products(args.data_dir) else
                         "amazon-products" if have_amazon_products(args.data_dir) else "synthetic")
@@ -183,17 +188,13 @@ def load_dataset(args, mapped=False):
             print(f"neither ogbn-products nor AmazonProducts is in {args.data_dir}: using a synthetic "
                   f"graph of {args.num_nodes:,} nodes (--dataset ogbn-products downloads a real one)",
                   flush=True)
-    if args.dataset == "synthetic":
-        return synthetic_graph(args.num_nodes, seed=args.seed)
+    if args.dataset == "synthetic":  # generated in seconds: each torchrun rank makes its own
+        data, split, metric = synthetic_graph(args.num_nodes, seed=args.seed)
+        return (sort_edges(data) if mapped else data), split, metric
     load = ogbn_products if args.dataset == "ogbn-products" else amazon_products
     if mapped:
         return mapped_copy(load, args.data_dir, os.path.join(args.data_dir, PROCESSED[args.dataset]))
     return load(args.data_dir)
-
-
-# Where ogb and PyG keep each real graph once processed; mapped_copy saves its copy beside it.
-PROCESSED = {"ogbn-products": os.path.join("ogbn_products", "processed", "geometric_data_processed.pt"),
-             "amazon-products": os.path.join("AmazonProducts", "processed", "data.pt")}
 
 
 def mapped_copy(load, data_dir, processed):
@@ -520,10 +521,8 @@ def worker(rank, world_size, args, graph=None):
             def load(dataset):  # downloads and processes the dataset where it is not on disk yet
                 nonlocal graph
                 args.dataset = dataset
-                graph = load_dataset(args, mapped=True)
+                graph = load_dataset(args, mapped=True)  # sorted, as prepare_graph sorts it
                 check_enough_seeds(graph[1], world_size)
-                if args.dataset == "synthetic":  # made by each rank; a real graph comes sorted
-                    sort_edges(graph[0])
                 return args.dataset
 
             args.dataset = prepare_in_turns(load, args.dataset, rank, args.prepare_timeout)
