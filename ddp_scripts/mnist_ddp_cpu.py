@@ -427,9 +427,20 @@ def cpu_cores():
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump; under torchrun, once per machine
+    def error(self, message):  # one line, no usage dump
+        problem = f"{message} (see --help)"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            # torchrun: answer the roll call with it, so that the other machines stop now instead
+            # of waiting --timeout for this rank; then rank 0 alone says it, for all.
+            def refuse():
+                raise UsageError(problem)
+            try:
+                roll_call(refuse, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                          self.get_default("timeout"))
+            except UsageError as err:  # rank 0: the first problem of all ranks
+                problem = str(err)
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+            print(f"{self.prog}: error: {problem}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -85,7 +85,7 @@ def test_missing_output_folders_are_created(tmp_path, script, data_args):
 
 
 @pytest.mark.parametrize("script, args, expected", [
-    ("mnist_ddp_cpu.py", ["--epochs", "0"], "--epochs"),  # the parser: once per machine
+    ("mnist_ddp_cpu.py", ["--epochs", "0"], "--epochs"),  # the parser (through the roll call)
     ("mnist_ddp_gpu.py", ["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs a GPU"),  # a check
 ])
 def test_under_torchrun_a_refusal_is_said_once(script, args, expected):

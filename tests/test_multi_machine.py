@@ -28,7 +28,8 @@ def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180):
         launcher = ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                     "--master-addr", "127.0.0.1", "--master-port", str(port),
                     "--nproc-per-node", str(nprocs)]
-        command = [sys.executable, *launcher, str(SCRIPTS / script), *map(str, args)]
+        script_args = [SCRIPTS / script, *args] if script else args  # None: args start with a path
+        command = [sys.executable, *launcher, *map(str, script_args)]
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, cwd=REPO, env=script_env(**(env or {}))))
     start, results = time.monotonic(), []
@@ -158,15 +159,28 @@ def test_gcn_refusal_on_one_machine_stops_both_at_once():
     assert seconds < 60
 
 
-def test_a_rank_that_never_reports_is_waited_for_within_the_timeout(data_args):
-    """The other machine's command has a typo: its ranks stop at the parser, and rank 0's machine
-    waits --timeout in the roll call, then says so in one line."""
-    results, seconds = two_machines("mnist_ddp_cpu.py", [
-        [*MNIST, *data_args, "--timeout", 5], [*MNIST, *data_args, "--epochs", 0]], procs=(2, 2))
+@pytest.mark.parametrize("typo_on", [1, 0], ids=["other-machine", "rank-0s-machine"])
+def test_a_parser_error_on_one_machine_stops_both_at_once(typo_on, data_args):
+    """One machine's command has a typo. Its ranks answer the roll call with the parser's message,
+    so rank 0 says it once for both machines; before, the other machine waited out --timeout."""
+    node_args = [[*MNIST, *data_args, "--timeout", 120] for _ in range(2)]
+    node_args[typo_on] += ["--epochs", 0]
+    results, seconds = two_machines("mnist_ddp_cpu.py", node_args, procs=(2, 2))
+    line = assert_one_line_error(results, "mnist_ddp_cpu.py", "--epochs: must be positive, got 0")
+    assert f"(rank 2, on {socket.gethostname()})" in line if typo_on else "(rank" not in line
+    assert seconds < 60  # not --timeout
+
+
+def test_a_rank_that_never_reports_is_waited_for_within_the_timeout(tmp_path, data_args):
+    """The other machine runs something that fails before the roll call (here: a script that only
+    exits; in life an old copy of the script, a crash at import): rank 0's machine waits --timeout
+    in the roll call, then says so in one line."""
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nsys.exit('crashed before the roll call')\n")
+    results, seconds = two_machines(None, [
+        [SCRIPTS / "mnist_ddp_cpu.py", *MNIST, *data_args, "--timeout", 5], [crash]], procs=(2, 2))
     assert all(code != 0 for code, _ in results), results
-    [first], [second] = [[line for line in out.splitlines() if line.startswith("mnist_ddp_cpu.py: error:")]
-                         for _, out in results]
-    assert "not every rank reported for the roll call (waited up to --timeout 5 s)" in first
-    assert "--epochs" in second  # once, from the machine's first process
+    [line] = [line for line in results[0][1].splitlines() if line.startswith("mnist_ddp_cpu.py: error:")]
+    assert "not every rank reported for the roll call (waited up to --timeout 5 s)" in line
     assert not any("]: Traceback" in out for _, out in results), results
     assert seconds < 60
