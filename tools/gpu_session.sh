@@ -55,6 +55,9 @@ run)
     echo "== $(date +%T) notebook 03, code cells in plain Python"
     PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
         2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)
+    echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
+    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_resume.py -k gpus \
+        2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
     if ((${#builds[@]})); then
         echo "== $(date +%T) waiting for the sampler build"
         wait "${builds[@]}"

@@ -1,0 +1,178 @@
+"""Lesson 5: a job that loses a rank resumes from its last snapshot and ends exactly where a job
+that was never interrupted ends (the same weights, bit for bit): under torchrun --max-restarts, and
+by running the same command again after mp.spawn's job has stopped. Snapshots that cannot be
+continued are refused in one line, before any worker starts."""
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import GPUS, SCRIPTS, needs_gpu, read_metrics, run_script, script_env, torchrun
+
+SCRIPT = "mnist_ddp_resume.py"
+CPU = ["--backend", "gloo", "--device", "cpu"]
+LINEAR = [*CPU, "--model", "linear", "--epochs", 3]  # about a second an epoch with 2 processes
+RESTARTING = [*torchrun(2), "--max-restarts", "1"]
+
+
+def max_difference(path_a, path_b):
+    a, b = torch.load(path_a), torch.load(path_b)
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_args):
+    """The reference: the linear model trained 3 epochs by 2 spawned processes, never interrupted."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    r = run_script(SCRIPT, *LINEAR, *data_args, "--nprocs", 2, "--snapshot", folder / "s.pt",
+                   "--save", folder / "w.pt", "--metrics-json", folder / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert read_metrics(folder / "m.json")["resumed_after_epoch"] == 0
+    return folder / "w.pt"
+
+
+def test_torchrun_restarts_the_job_which_resumes_where_it_was(tmp_path, data_args, uninterrupted):
+    r = run_script(SCRIPT, *LINEAR, *data_args, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
+                   "--save", tmp_path / "w.pt", "--metrics-json", tmp_path / "m.json",
+                   launcher=RESTARTING)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 1: simulated crash in the middle of epoch 2" in r.stderr  # it did crash ...
+    assert "resuming from" in r.stdout and "epoch 1 done, 469 steps" in r.stdout  # ... and resume
+    metrics = read_metrics(tmp_path / "m.json")
+    assert metrics["resumed_after_epoch"] == 1
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2, 3] and metrics["epochs"][-1]["steps"] == 1407
+    assert max_difference(tmp_path / "w.pt", uninterrupted) == 0.0
+
+
+def test_dropout_resumes_too_each_rank_with_its_own_random_state(tmp_path, data_args):
+    """The ConvNet draws dropout masks: the snapshot holds every rank's random state, so the resumed
+    run draws the masks the uninterrupted one drew."""
+    convnet = [*CPU, "--model", "convnet", "--epochs", 2, *data_args]
+    r = run_script(SCRIPT, *convnet, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
+                   "--save", tmp_path / "resumed.pt", launcher=RESTARTING, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "simulated crash" in r.stderr and "resuming from" in r.stdout
+    r = run_script(SCRIPT, *convnet, "--nprocs", 2, "--snapshot", tmp_path / "s2.pt",
+                   "--save", tmp_path / "uninterrupted.pt", timeout=400)
+    assert r.returncode == 0, r.stderr
+    assert max_difference(tmp_path / "resumed.pt", tmp_path / "uninterrupted.pt") == 0.0
+    rng = torch.load(tmp_path / "s.pt", weights_only=True)["rng"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])  # one state per rank
+
+
+def test_after_a_crash_without_torchrun_the_same_command_resumes(tmp_path, data_args, uninterrupted):
+    command = [*LINEAR, *data_args, "--nprocs", 2, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
+               "--save", tmp_path / "w.pt"]
+    r = run_script(SCRIPT, *command)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith(f"{SCRIPT}: error:")]
+    assert errors == [f"{SCRIPT}: error: worker 1 ended with signal SIGKILL; the other workers were stopped"]
+    assert torch.load(tmp_path / "s.pt", weights_only=True)["epoch"] == 1
+    r = run_script(SCRIPT, *command)  # the crash is not repeated: this run begins in epoch 2
+    assert r.returncode == 0, r.stderr
+    assert "epoch 1 done" in r.stdout and "simulated crash" not in r.stderr
+    assert max_difference(tmp_path / "w.pt", uninterrupted) == 0.0
+
+    r = run_script(SCRIPT, *command)  # and once more: all 3 epochs are done
+    assert r.returncode == 0, r.stderr
+    assert "nothing left to train: the snapshot has 3 epochs, 1407 steps" in r.stdout
+    assert max_difference(tmp_path / "w.pt", uninterrupted) == 0.0
+
+
+def test_more_processes_can_take_over_a_snapshot(tmp_path, data_args, uninterrupted):
+    snapshot = tmp_path / "s.pt"
+    shutil.copy(uninterrupted.parent / "s.pt", snapshot)  # 3 epochs by 2 processes
+    r = run_script(SCRIPT, *CPU, "--model", "linear", "--epochs", 4, *data_args, "--nprocs", 3,
+                   "--snapshot", snapshot, "--metrics-json", tmp_path / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert "(taken with 2 processes; now 3: the global batch is now 192" in r.stdout
+    assert [e["epoch"] for e in read_metrics(tmp_path / "m.json")["epochs"]] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("change, expected", [
+    (["--batch-size", 32], "was taken with --batch-size 64: run with the same, or delete it"),
+    (["--model", "convnet", "--no-shuffle"], "was taken with --model linear, no --no-shuffle:"),
+])
+def test_a_snapshot_of_another_run_is_refused_before_any_worker_starts(change, expected, data_args,
+                                                                      uninterrupted):
+    start = time.monotonic()
+    r = run_script(SCRIPT, *LINEAR, *data_args, "--nprocs", 2, "--snapshot", uninterrupted.parent / "s.pt",
+                   *change)
+    assert r.returncode == 1 and time.monotonic() - start < 30
+    assert r.stderr.strip().splitlines()[-1] == r.stderr.strip() and expected in r.stderr, r.stderr
+    assert "training" not in r.stdout
+
+
+def test_an_unreadable_snapshot_is_refused_in_one_line(tmp_path, data_args):
+    (tmp_path / "s.pt").write_text("not a snapshot")
+    for launcher in (None, torchrun(2)):
+        r = run_script(SCRIPT, *LINEAR, *data_args, "--snapshot", tmp_path / "s.pt", launcher=launcher)
+        assert r.returncode != 0
+        lines = [line for line in r.stderr.splitlines() if line.startswith(f"{SCRIPT}: error:")]
+        assert len(lines) == 1 and "not a snapshot that this script can read" in lines[0], r.stderr
+
+
+def test_a_crash_in_the_first_epoch_is_refused():
+    r = run_script(SCRIPT, *LINEAR, "--crash-in-epoch", 1)
+    assert r.returncode == 2
+    assert "--crash-in-epoch must be between 2 and --epochs (3)" in r.stderr
+
+
+RESTART_PROBE = """
+import os, signal, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+sys.path.insert(0, {scripts!r})
+from mnist_ddp_resume import attempt_store
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 0:
+    time.sleep(5)  # rank 1 reaches the store first: it must not take attempt 0's address of rank 0
+dist.init_process_group("gloo", store=attempt_store(30), rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+dist.barrier()
+if attempt == 0 and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+open(os.path.join(sys.argv[1], f"attempt{{attempt}}-rank{{rank}}"), "w").close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_restarted_group_meets_in_keys_of_its_own(tmp_path):
+    """Why attempt_store() exists. With init_process_group's own store (store=None), the restarted
+    rank 1 can read the address that rank 0 of the previous attempt left in torchrun's store
+    (pytorch/pytorch#135712): in about twenty tries here with torch 2.14, the restart worked about
+    half the time; otherwise rank 1 failed with 'Connection refused', or the job hung for minutes.
+    Being a race, that is not asserted; the fix must work every time, rank 0 coming late."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(RESTART_PROBE.format(scripts=str(SCRIPTS)))
+    r = subprocess.run([sys.executable, *RESTARTING, str(probe), str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, env=script_env())
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("attempt*")) == ["attempt1-rank0", "attempt1-rank1"]
+
+
+def test_a_snapshot_folder_that_cannot_be_made_is_refused_before_training(blocker, data_args):
+    r = run_script(SCRIPT, *LINEAR, *data_args, "--nprocs", 2, "--snapshot", blocker / "s.pt")
+    assert r.returncode == 1 and "training" not in r.stdout
+    assert r.stderr.strip().startswith(f"{SCRIPT}: error: cannot write {blocker / 's.pt'}: cannot create")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@needs_gpu
+def test_on_gpus_with_nccl_too(tmp_path, data_args):
+    """NCCL: the snapshot's broadcast and gather go through GPU tensors, and each rank restores its
+    CUDA random state. (GPU kernels need not be bit-reproducible, hence a tolerance.)"""
+    nprocs = min(GPUS, 2)
+    common = ["--model", "convnet", "--epochs", 2, *data_args]
+    r = run_script(SCRIPT, *common, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
+                   "--save", tmp_path / "resumed.pt", launcher=[*torchrun(nprocs), "--max-restarts", "1"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "simulated crash" in r.stderr and "resuming from" in r.stdout
+    r = run_script(SCRIPT, *common, "--nprocs", nprocs, "--snapshot", tmp_path / "s2.pt",
+                   "--save", tmp_path / "uninterrupted.pt")
+    assert r.returncode == 0, r.stderr
+    assert max_difference(tmp_path / "resumed.pt", tmp_path / "uninterrupted.pt") < 1e-5
