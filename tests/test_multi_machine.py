@@ -20,14 +20,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180):
+def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180, torchrun_args=()):
     """Start one torchrun agent per entry of node_args (its node rank is its index) and wait for
     both. Returns [(returncode, stdout + stderr), ...] and the seconds until both had ended."""
     port, agents = free_port(), []
     for node, (args, nprocs) in enumerate(zip(node_args, procs)):
         launcher = ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                     "--master-addr", "127.0.0.1", "--master-port", str(port),
-                    "--nproc-per-node", str(nprocs)]
+                    "--nproc-per-node", str(nprocs), *torchrun_args]
         script_args = [SCRIPTS / script, *args] if script else args  # None: args start with a path
         command = [sys.executable, *launcher, *map(str, script_args)]
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

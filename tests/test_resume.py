@@ -63,6 +63,22 @@ def test_dropout_resumes_too_each_rank_with_its_own_random_state(tmp_path, data_
     assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])  # one state per rank
 
 
+def test_two_machines_without_a_shared_disk_restart_and_resume_together(tmp_path, data_args, uninterrupted):
+    """Two torchrun agents on this machine stand for two machines, each with a snapshot folder of
+    its own: each machine's first rank writes a snapshot, and the restarted job resumes."""
+    from test_multi_machine import two_machines
+
+    flags = [*LINEAR, *data_args, "--crash-in-epoch", 2, "--threads-per-proc", 1]
+    machines = [[*flags, "--snapshot", tmp_path / "a" / "s.pt", "--save", tmp_path / "w.pt"],
+                [*flags, "--snapshot", tmp_path / "b" / "s.pt"]]
+    results, _ = two_machines(SCRIPT, machines, torchrun_args=["--max-restarts", "1"])
+    assert all(code == 0 for code, _ in results), results
+    assert "simulated crash" in results[1][1] and "resuming from" in results[0][1]
+    for machine in "ab":
+        assert torch.load(tmp_path / machine / "s.pt", weights_only=True)["epoch"] == 3
+    assert max_difference(tmp_path / "w.pt", uninterrupted) == 0.0
+
+
 def test_after_a_crash_without_torchrun_the_same_command_resumes(tmp_path, data_args, uninterrupted):
     command = [*LINEAR, *data_args, "--nprocs", 2, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
                "--save", tmp_path / "w.pt"]
