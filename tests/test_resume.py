@@ -181,14 +181,19 @@ def test_a_snapshot_folder_that_cannot_be_made_is_refused_before_training(blocke
 @needs_gpu
 def test_on_gpus_with_nccl_too(tmp_path, data_args):
     """NCCL: the snapshot's broadcast and gather go through GPU tensors, and each rank restores its
-    CUDA random state. (GPU kernels need not be bit-reproducible, hence a tolerance.)"""
+    CUDA random state. Some GPU kernels add in a varying order, so the resumed run is held to the
+    difference between two uninterrupted runs (0 where the kernels are deterministic)."""
     nprocs = min(GPUS, 2)
     common = ["--model", "convnet", "--epochs", 2, *data_args]
     r = run_script(SCRIPT, *common, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
                    "--save", tmp_path / "resumed.pt", launcher=[*torchrun(nprocs), "--max-restarts", "1"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "simulated crash" in r.stderr and "resuming from" in r.stdout
-    r = run_script(SCRIPT, *common, "--nprocs", nprocs, "--snapshot", tmp_path / "s2.pt",
-                   "--save", tmp_path / "uninterrupted.pt")
-    assert r.returncode == 0, r.stderr
-    assert max_difference(tmp_path / "resumed.pt", tmp_path / "uninterrupted.pt") < 1e-5
+    for name in ("first", "second"):
+        r = run_script(SCRIPT, *common, "--nprocs", nprocs, "--snapshot", tmp_path / f"{name}.pt",
+                       "--save", tmp_path / f"uninterrupted-{name}.pt")
+        assert r.returncode == 0, r.stderr
+    noise = max_difference(tmp_path / "uninterrupted-first.pt", tmp_path / "uninterrupted-second.pt")
+    difference = max_difference(tmp_path / "resumed.pt", tmp_path / "uninterrupted-first.pt")
+    print(f"resumed vs uninterrupted: {difference:.2e}; two uninterrupted runs: {noise:.2e}")
+    assert difference <= max(10 * noise, 1e-6)

@@ -55,9 +55,6 @@ run)
     echo "== $(date +%T) notebook 03, code cells in plain Python"
     PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
         2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)
-    echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
-    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_resume.py -k gpus \
-        2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
     if ((${#builds[@]})); then
         echo "== $(date +%T) waiting for the sampler build"
         wait "${builds[@]}"
@@ -76,6 +73,10 @@ run)
         failed+=(sampler-build)
         tail -n 5 "$out"/build-*.log
     fi
+    # Last, so that issue 4's checks above come first if the call runs out of time.
+    echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
+    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_resume.py -k gpus \
+        2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
     if ((${#failed[@]})); then
         echo "gpu-session: failed: ${failed[*]} (logs in $out)"
         exit 1
