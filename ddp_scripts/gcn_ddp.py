@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -32,6 +33,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
     from tqdm import tqdm
+    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
+    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
+    tqdm.set_lock(threading.RLock())
 except ImportError:  # the progress bar is optional
 
     def tqdm(iterable, **kwargs):

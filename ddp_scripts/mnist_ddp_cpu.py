@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from urllib.error import URLError
@@ -30,6 +31,9 @@ from torchvision import datasets
 
 try:
     from tqdm import tqdm
+    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
+    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
+    tqdm.set_lock(threading.RLock())
 except ImportError:  # the progress bar is optional
 
     def tqdm(iterable, **kwargs):

@@ -86,6 +86,7 @@ def test_after_a_crash_without_torchrun_the_same_command_resumes(tmp_path, data_
     assert r.returncode == 1
     errors = [line for line in r.stderr.splitlines() if line.startswith(f"{SCRIPT}: error:")]
     assert errors == [f"{SCRIPT}: error: worker 1 ended with signal SIGKILL; the other workers were stopped"]
+    assert "leaked semaphore" not in r.stderr
     assert torch.load(tmp_path / "s.pt", weights_only=True)["epoch"] == 1
     r = run_script(SCRIPT, *command)  # the crash is not repeated: this run begins in epoch 2
     assert r.returncode == 0, r.stderr
