@@ -518,8 +518,8 @@ def worker(rank, world_size, args, graph=None):
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
     # 1. Join the process group (NCCL for GPUs, Gloo for CPUs), with a timeout on every collective.
-    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(args.backend, store=attempt_store(args.timeout), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
     try:
         if graph is None:  # torchrun: no launcher has loaded the graph; the ranks do, in turns
             def load(dataset):  # downloads and processes the dataset where it is not on disk yet
@@ -585,6 +585,17 @@ def launch(args):
     for value in split.values():
         value.share_memory_()
     spawn_workers(args.nprocs, args, (data, split, metric))
+
+
+def attempt_store(timeout):
+    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
+    wrote their addresses, and a rank that reads one of those connects to a process that is gone
+    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
 def check_setup(args, rank):

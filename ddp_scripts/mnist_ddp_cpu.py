@@ -297,8 +297,8 @@ def worker(rank, world_size, args):
     # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by the launcher
     #    below or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective,
     #    so a rank that dies or stalls turns into an error instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group("gloo", store=attempt_store(args.timeout), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
     try:
         train(rank, world_size, args)
     except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
@@ -329,6 +329,17 @@ def launch(args):
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
     spawn_workers(args.nprocs, args)
+
+
+def attempt_store(timeout):
+    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
+    wrote their addresses, and a rank that reads one of those connects to a process that is gone
+    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
 def check_setup(args, rank):

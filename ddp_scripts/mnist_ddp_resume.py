@@ -439,17 +439,6 @@ def worker(rank, world_size, args):
         dist.destroy_process_group()  # 8. tear down, even after an error
 
 
-def attempt_store(timeout):
-    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
-    wrote their addresses, and a rank that reads one of those connects to a process that is gone
-    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-
-
 def check_device(args):
     """Refuse, before any process starts, what cannot work; say what to do instead."""
     if args.device == "cpu":
@@ -493,6 +482,17 @@ def launch(args):
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
     spawn_workers(args.nprocs, args)
+
+
+def attempt_store(timeout):
+    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
+    wrote their addresses, and a rank that reads one of those connects to a process that is gone
+    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
 def check_setup(args, rank):

@@ -12,14 +12,16 @@ PAIRS = [
     ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main", "Parser"},
      MNIST_SHARED),
     ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "check_setup", "parse_args"},
-     MNIST_SHARED | {"prepare_in_turns", "roll_call", "launch", "spawn_workers", "spawned_worker"}),
-    ("mnist_ddp_gpu.py", "mnist_ddp_resume.py", {"train", "worker", "check_setup", "parse_args"},
-     MNIST_SHARED | {"evaluate", "launch", "check_device", "roll_call", "prepare_in_turns", "Parser",
-                     "spawn_workers", "spawned_worker", "main"}),
+     MNIST_SHARED | {"prepare_in_turns", "roll_call", "attempt_store", "launch", "spawn_workers",
+                     "spawned_worker"}),
+    ("mnist_ddp_gpu.py", "mnist_ddp_resume.py", {"train", "check_setup", "parse_args"},
+     MNIST_SHARED | {"evaluate", "worker", "launch", "check_device", "roll_call", "attempt_store",
+                     "prepare_in_turns", "Parser", "spawn_workers", "spawned_worker", "main"}),
     ("mnist_ddp_gpu.py", "gcn_ddp.py", {"evaluate", "train", "worker", "launch", "check_device",
                                          "parse_args"},
      {"free_port", "Parser", "positive", "cpu_cores", "main", "UsageError", "prepare_in_turns",
-      "roll_call", "check_setup", "spawn_workers", "spawned_worker", "check_writable"}),
+      "roll_call", "attempt_store", "check_setup", "spawn_workers", "spawned_worker",
+      "check_writable"}),
 ]
 
 
