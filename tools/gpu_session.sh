@@ -6,7 +6,7 @@
 #
 # `run` builds torch-scatter and torch-sparse there (CPU-only: the sampler runs on the CPU) when
 # neither pyg-lib nor torch-sparse can be imported, and meanwhile runs notebook 03's code cells;
-# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4. Logs go to $OUT (the device tool's
+# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then lessons 5 and 6's GPU tests. Logs go to $OUT (the device tool's
 # folder that comes back) or build/gpu-session. Exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +77,9 @@ run)
     echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
     PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_resume.py -k gpus \
         2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
+    echo "== $(date +%T) lesson 6 on the GPU (NCCL, accumulation, bf16 gradients)"
+    PYTHONUNBUFFERED=1 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py -k gpus \
+        2>&1 | tee "$out/pytest-comm.log" || failed+=(pytest-comm)
     if ((${#failed[@]})); then
         echo "gpu-session: failed: ${failed[*]} (logs in $out)"
         exit 1
