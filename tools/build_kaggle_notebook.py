@@ -13,19 +13,22 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "kaggle" / "ddp_t4x2.ipynb"
-SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py", "gcn_ddp.py"]
+SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
+           "mnist_ddp_comm.py", "gcn_ddp.py"]
 
 INTRO = """\
 # PyTorch DDP on Kaggle's two T4 GPUs
 
-Lessons 2 to 5 of the course on Kaggle's **GPU T4 x2** accelerator: DDP on CPU with Gloo, then
+Lessons 2 to 6 of the course on Kaggle's **GPU T4 x2** accelerator: DDP on CPU with Gloo, then
 on one and two GPUs with NCCL, timed side by side; a job that loses a GPU's rank halfway and
-resumes from its snapshot (lesson 5); then a GCN on OGB's ogbn-products graph (2.4 million nodes)
-with PyG's `NeighborLoader` (lesson 4, last because it takes longest).
+resumes from its snapshot (lesson 5); what the gradient all-reduce costs between two GPUs on PCIe,
+and gradient accumulation and fp16 compression against it (lesson 6); then a GCN on OGB's
+ogbn-products graph (2.4 million nodes) with PyG's `NeighborLoader` (lesson 4, last because it
+takes longest).
 
 Before running: in the notebook's settings (right-hand panel), choose **Accelerator: GPU T4 x2**
 and switch **Internet on** (MNIST and ogbn-products, 1.4 GB, are downloaded once). Then *Run all*:
-about five minutes for lessons 2 and 3, two for lesson 5, then 15 to 25 for lesson 4 (download,
+about five minutes for lessons 2 and 3, two each for lessons 5 and 6, then 15 to 25 for lesson 4 (download,
 processing, and the install of PyG's sampler if no prebuilt wheel matches the image's torch).
 
 The scripts below are the repository's own files (`ddp_scripts/`), written to the working
@@ -139,6 +142,36 @@ Markdown(f"Largest difference between a weight of the resumed model and of the u
          "differences (`torch.use_deterministic_algorithms(True)` asks for reproducible kernels, "
          "at some cost in speed).")'''.strip()
 
+LESSON6 = """\
+## Lesson 6: what the all-reduce costs between two T4s, and paying less for it
+
+`mnist_ddp_comm.py` is lesson 3's script with gradient accumulation (`--accum-steps`: the gradients
+are all-reduced once per K micro-batches, `model.no_sync()` for the others), compression hooks
+(`--comm-hook fp16`: the gradients travel in half precision) and a wide MLP (`--model mlp`, 23 MB
+of gradients per step, little arithmetic). The two T4s exchange gradients over PCIe, so this model
+is bandwidth-bound: at start-up each run prints one all-reduce of its gradient size, timed alone.
+Two epochs each; the table uses the second (the first includes CUDA's start-up)."""
+
+COMM_RUNS = r'''
+comm = {}
+for name, nprocs, flags in [("1 GPU", 1, []), ("2 GPUs", 2, []),
+                            ("2 GPUs, --accum-steps 4", 2, ["--accum-steps", 4]),
+                            ("2 GPUs, --comm-hook fp16", 2, ["--comm-hook", "fp16"])]:
+    path = f"comm_{len(comm)}.json"
+    run("mnist_ddp_comm.py", "--nprocs", nprocs, "--model", "mlp", "--epochs", 2, "--quiet",
+        "--data-dir", "data", "--metrics-json", path, *flags)
+    comm[name] = json.load(open(path))
+base = comm["1 GPU"]["epochs"][-1]["images_per_second"]
+rows = [f"| {name} | {m['gradient_mb']:.1f} | {m['allreduce_ms']:.2f} | "
+        f"{m['epochs'][-1]['images_per_second']:,.0f} | {m['epochs'][-1]['images_per_second'] / base:.2f}x |"
+        for name, m in comm.items()]
+Markdown("| run | MB per all-reduce | one all-reduce alone, ms | images/s (epoch 2) | vs 1 GPU |\n"
+         "|---|---|---|---|---|\n" + "\n".join(rows)
+         + "\n\nMeasured in this run. Accumulation keeps every step's arithmetic and sends a quarter "
+           "as often (its steps average 4x the images: a larger batch, which may need another "
+           "learning rate); the hook halves the bytes at the cost of rounding the averaged "
+           "gradients to fp16.")'''.strip()
+
 LESSON4 = """\
 ## Lesson 4: a GCN on ogbn-products with NeighborLoader, on one GPU and on two
 
@@ -208,6 +241,7 @@ def build():
               new_code_cell('run("mnist_ddp_cpu.py", "--nprocs", 2, "--epochs", 1, "--data-dir", "data")'),
               new_markdown_cell(LESSON3), new_code_cell(GPU_RUNS), new_code_cell(TORCHRUN),
               new_code_cell(TABLE), new_markdown_cell(LESSON5), new_code_cell(RESUME_RUNS),
+              new_markdown_cell(LESSON6), new_code_cell(COMM_RUNS),
               new_markdown_cell(LESSON4), new_code_cell(INSTALL_PYG),
               new_code_cell(PREPARE_GRAPH), new_code_cell(GCN_RUNS)]
     nb = new_notebook(cells=cells)

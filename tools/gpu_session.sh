@@ -6,8 +6,9 @@
 #
 # `run` builds torch-scatter and torch-sparse there (CPU-only: the sampler runs on the CPU) when
 # neither pyg-lib nor torch-sparse can be imported, and meanwhile runs notebook 03's code cells;
-# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then lessons 5 and 6's GPU tests. Logs go to $OUT (the device tool's
-# folder that comes back) or build/gpu-session. Exits non-zero if any step failed.
+# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then lessons 5 and 6's GPU tests.
+# Logs go to $OUT (the device tool's folder that comes back) or build/gpu-session. Exits non-zero
+# if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
