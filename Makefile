@@ -33,6 +33,7 @@ notebooks: setup  ## execute every notebook with papermill into build/notebooks/
 
 bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/ and build/bench/)
 	$(PY) tools/bench.py
+	$(PY) tools/bench_comm.py
 	$(PY) tools/bench_gcn.py
 
 gpu-check: setup  ## lessons 3 and 4 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)

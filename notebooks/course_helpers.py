@@ -43,6 +43,45 @@ def run(*args, check=True, memory=None):
     return proc.returncode
 
 
+def run_machines(commands, timeout=600):
+    """Start one `python <args>` per entry of `commands` (a dict: a machine's name -> its args) at
+    once, as if each ran on a machine of its own, and print their lines as they come, each tagged
+    with its machine. Waits for all (at most `timeout` seconds); returns {name: exit code}."""
+    import queue
+    import threading
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    lines, procs = queue.Queue(), {}
+    for name, args in commands.items():
+        argv = [str(a) for a in args]
+        print(f"[{name}] $ python " + " ".join(shlex.quote(a) for a in argv), flush=True)
+        procs[name] = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, text=True, bufsize=1,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def read(name, proc):
+        for line in proc.stdout:
+            lines.put(f"[{name}] {line}")
+
+    readers = [threading.Thread(target=read, args=item, daemon=True) for item in procs.items()]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(r.is_alive() for r in readers) or not lines.empty():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the machines ran longer than {timeout} s")
+            try:
+                print(lines.get(timeout=0.2), end="", flush=True)
+            except queue.Empty:
+                pass
+    except (KeyboardInterrupt, TimeoutError):
+        for proc in procs.values():
+            stop(proc)
+        raise
+    return {name: proc.wait() for name, proc in procs.items()}
+
+
 def stop(proc, grace=10):
     """Stop a command started by run() and every process it started: Ctrl-C (SIGINT) to all of
     them, as a terminal would, then SIGKILL for whatever is left after `grace` seconds."""
