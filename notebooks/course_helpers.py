@@ -43,10 +43,11 @@ def run(*args, check=True, memory=None):
     return proc.returncode
 
 
-def run_machines(commands, timeout=600):
+def run_machines(commands, timeout=600, interleave=True):
     """Start one `python <args>` per entry of `commands` (a dict: a machine's name -> its args) at
     once, as if each ran on a machine of its own, and print their lines as they come, each tagged
-    with its machine. Waits for all (at most `timeout` seconds); returns {name: exit code}."""
+    with its machine (interleave=False: each machine's lines in one block, once all have ended).
+    Waits for all (at most `timeout` seconds); returns {name: exit code}."""
     import queue
     import threading
     import time
@@ -66,19 +67,26 @@ def run_machines(commands, timeout=600):
     readers = [threading.Thread(target=read, args=item, daemon=True) for item in procs.items()]
     for reader in readers:
         reader.start()
-    deadline = time.monotonic() + timeout
+    deadline, held = time.monotonic() + timeout, []
     try:
         while any(r.is_alive() for r in readers) or not lines.empty():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the machines ran longer than {timeout} s")
             try:
-                print(lines.get(timeout=0.2), end="", flush=True)
+                line = lines.get(timeout=0.2)
             except queue.Empty:
-                pass
+                continue
+            if interleave:
+                print(line, end="", flush=True)
+            else:
+                held.append(line)
     except (KeyboardInterrupt, TimeoutError):
         for proc in procs.values():
             stop(proc)
         raise
+    finally:
+        for name in procs:  # stable: a machine's lines keep their order
+            print("".join(line for line in held if line.startswith(f"[{name}] ")), end="", flush=True)
     return {name: proc.wait() for name, proc in procs.items()}
 
 
