@@ -43,6 +43,15 @@ def run(*args, check=True, memory=None):
     return proc.returncode
 
 
+def free_port():
+    """A port that nothing listens on now: a meeting point for torchrun agents started by hand."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_machines(commands, timeout=600, interleave=True):
     """Start one `python <args>` per entry of `commands` (a dict: a machine's name -> its args) at
     once, as if each ran on a machine of its own, and print their lines as they come, each tagged

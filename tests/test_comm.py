@@ -1,21 +1,11 @@
 """Lesson 6: gradient accumulation with no_sync() and compressed all-reduces change how often and in
 what precision the ranks communicate, not what they compute (or only by rounding)."""
 import pytest
-import torch
 from conftest import DATA_DIR, GPUS, load_script, needs_gpu, read_metrics, run_script
 from test_bad_input import refused
-from test_equivalence import max_abs_diff
+from test_equivalence import max_abs_diff, train_and_load  # linear, --no-shuffle, 25 steps
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
-STEPS = 25
-
-
-def train_and_load(tmp_path, name, script, *args, data_args):
-    path = tmp_path / f"{name}.pt"
-    r = run_script(script, "--model", "linear", "--no-shuffle", "--max-steps", STEPS,
-                   "--save", path, "--quiet", *args, *data_args)
-    assert r.returncode == 0, r.stderr
-    return torch.load(path)
 
 
 def test_accumulated_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args):
@@ -43,7 +33,7 @@ def test_a_compression_hook_rounds_the_gradients_and_nothing_else(tmp_path, data
 
 
 @pytest.mark.parametrize("accum_steps, micro_batches", [(1, 12), (4, 12), (5, 12)])
-def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, accum_steps, micro_batches):
+def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, dataset, accum_steps, micro_batches):
     """Counts DDP's all-reduces with a hook (the linear model's gradients fill one bucket), in one
     process: no_sync() must skip all but the last micro-batch of each group."""
     comm = load_script("mnist_ddp_comm")
@@ -57,7 +47,6 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, accum_st
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(comm.free_port()))
     monkeypatch.delenv("RANK", raising=False)
-    dataset = load_script("mnist_single").prepare_data("auto", str(DATA_DIR), verbose=False)
     args = comm.parse_args(["--model", "linear", "--dataset", dataset, "--data-dir", str(DATA_DIR),
                             "--batch-size", "5000", "--nprocs", "1", "--quiet", "--comm-hook", "fp16",
                             "--accum-steps", str(accum_steps), *CPU])

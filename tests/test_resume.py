@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from conftest import GPUS, SCRIPTS, needs_gpu, read_metrics, run_script, script_env, torchrun
+from test_equivalence import max_abs_diff
 
 SCRIPT = "mnist_ddp_resume.py"
 CPU = ["--backend", "gloo", "--device", "cpu"]
@@ -18,9 +19,7 @@ RESTARTING = [*torchrun(2), "--max-restarts", "1"]
 
 
 def max_difference(path_a, path_b):
-    a, b = torch.load(path_a), torch.load(path_b)
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return max_abs_diff(torch.load(path_a), torch.load(path_b))
 
 
 @pytest.fixture(scope="module")

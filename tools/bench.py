@@ -44,15 +44,20 @@ def cpu_name():
     return platform.processor() or "unknown CPU"
 
 
-def run_training(script, args, common):
+def run_metrics(script, args, common):
+    """Run ddp_scripts/<script> once and return its metrics JSON (exit with its stderr if it fails)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.json"
         cmd = [sys.executable, str(SCRIPTS / script), *args, *common, "--metrics-json", str(metrics)]
         env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         if result.returncode != 0:
-            sys.exit(f"bench: {' '.join(cmd)} failed:\n{result.stderr}")
-        return json.loads(metrics.read_text())["epochs"][-1]["images_per_second"]
+            sys.exit(f"{Path(sys.argv[0]).stem}: {' '.join(cmd)} failed:\n{result.stderr}")
+        return json.loads(metrics.read_text())
+
+
+def run_training(script, args, common):
+    return run_metrics(script, args, common)["epochs"][-1]["images_per_second"]
 
 
 def input_pipeline_rates(data_dir, dataset, n_batches=200, batch=64):

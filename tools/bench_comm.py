@@ -12,14 +12,12 @@ Writes build/bench/comm.json and figures/ddp_comm_cost.png.
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from bench import cores, cpu_name, run_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "ddp_scripts"
@@ -30,23 +28,7 @@ MICRO_BATCHES = {"linear": 1200, "convnet": 200, "mlp": 200}
 def machine_name(gpu):
     if gpu:
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    sys.path.insert(0, str(REPO / "tools"))
-    from bench import cores, cpu_name
-
     return f"{cpu_name()}, {cores()} cores, torch {torch.__version__}"
-
-
-def run(args, common):
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "m.json"
-        cmd = [sys.executable, str(SCRIPTS / "mnist_ddp_comm.py"), *args, *common,
-               "--metrics-json", str(metrics)]
-        env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-        if result.returncode != 0:
-            sys.exit(f"bench_comm: {' '.join(cmd)} failed:\n{result.stderr}")
-        m = json.loads(metrics.read_text())
-        return m["epochs"][-1]["images_per_second"], m["allreduce_ms"]
 
 
 def configurations():
@@ -129,7 +111,8 @@ def main():
     allreduce = {(model, name): [] for model, name, _ in configs}
     for repeat in range(args.repeats):
         for model, name, flags in configs:
-            ips, ms = run(flags, common)
+            m = run_metrics("mnist_ddp_comm.py", flags, common)
+            ips, ms = m["epochs"][-1]["images_per_second"], m["allreduce_ms"]
             samples[(model, name)].append(ips)
             allreduce[(model, name)].append(ms)
             print(f"  run {repeat + 1}/{args.repeats}  {model:<8} {name:<22} {ips:>10,.0f} images/s",
