@@ -65,11 +65,11 @@ def input_pipeline_rates(data_dir, dataset, n_batches=200, batch=64):
     sys.path.insert(0, str(SCRIPTS))
     import mnist_single
     from torch.utils.data import DataLoader, TensorDataset
-    from torchvision import transforms
+    from torchvision import datasets, transforms
 
     torch.set_num_threads(1)
     mean, std = mnist_single.MEAN_STD[dataset]
-    per_image = mnist_single.TORCHVISION_CLASSES[dataset](
+    per_image = getattr(datasets, mnist_single.FOLDERS[dataset])(
         data_dir, train=True, download=False,
         transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))]))
     images, labels = mnist_single.load_split(dataset, data_dir, train=True)
