@@ -323,6 +323,8 @@ def worker(rank, world_size, args):
     except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
         if rank == 0:
             print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # let rank 0 end first, having said why: the launcher then stops the rest
         sys.exit(1)
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
@@ -446,6 +448,8 @@ def spawn_workers(nprocs, *worker_args):
                 process.kill()
         raise
     except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
+        if err.error_index == 0 and err.exit_code == 1:  # rank 0 has printed why, in one line
+            sys.exit(1)
         how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
         raise UsageError(f"worker {err.error_index} ended with {how}; the other workers were "
                          f"stopped") from None
