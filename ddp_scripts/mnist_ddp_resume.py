@@ -375,8 +375,13 @@ def save_snapshot(args, epoch, steps, model, optimizer, scaler, history, device)
                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                 "rng": every_rng, "history": history}
     partial = f"{args.snapshot}.{socket.gethostname()}.{os.getpid()}.part"  # machines may share a disk
-    torch.save(snapshot, partial)
-    os.replace(partial, args.snapshot)
+    try:
+        torch.save(snapshot, partial)
+        os.replace(partial, args.snapshot)
+    except BaseException:  # a full disk, Ctrl-C: leave no half-written file behind
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
 
 
 def crash(rank, epoch):

@@ -197,3 +197,42 @@ def test_on_gpus_with_nccl_too(tmp_path, data_args):
     difference = max_difference(tmp_path / "resumed.pt", tmp_path / "uninterrupted-first.pt")
     print(f"resumed vs uninterrupted: {difference:.2e}; two uninterrupted runs: {noise:.2e}")
     assert difference <= max(10 * noise, 1e-6)
+
+
+def test_a_snapshot_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeypatch):
+    """A full disk while writing: the error goes on, the previous snapshot stays, no .part is left."""
+    import argparse
+    import os
+
+    import torch.distributed as dist
+    from conftest import load_script
+
+    resume = load_script("mnist_ddp_resume")
+    snapshot = tmp_path / "s.pt"
+    snapshot.write_bytes(b"the previous snapshot")
+
+    real_save = torch.save
+
+    def full_disk(obj, path, **kwargs):  # all_gather_object serialises with torch.save too
+        if not str(path).endswith(".part"):
+            return real_save(obj, path, **kwargs)
+        with open(path, "wb") as f:
+            f.write(b"half a snapshot")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(resume.torch, "save", full_disk)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(resume.free_port()))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    args = argparse.Namespace(snapshot=str(snapshot), **{k: None for k in resume.SNAPSHOT_MUST_MATCH})
+    model = torch.nn.Linear(2, 2)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            resume.save_snapshot(args, 1, 10, argparse.Namespace(module=model),
+                                 torch.optim.SGD(model.parameters(), lr=0.1),
+                                 torch.amp.GradScaler("cpu", enabled=False), [], torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert os.listdir(tmp_path) == ["s.pt"] and snapshot.read_bytes() == b"the previous snapshot"
+
