@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -662,6 +663,9 @@ def spawn_workers(nprocs, *worker_args):
     the run ends, it ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or
     SIGTERM here stops them too (mp.spawn's own join would keep waiting while they train on)."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
+    # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
+    # failure; the one line this launcher prints says so already.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     stop = mp.get_context("spawn").Event()  # set when interrupted, for workers still starting
     try:
         # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so

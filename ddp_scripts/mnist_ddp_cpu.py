@@ -9,6 +9,7 @@ Compare it with mnist_single.py: the diff of the two files is the DDP lesson.
 import argparse
 import gzip
 import json
+import logging
 import math
 import os
 import shutil
@@ -424,6 +425,9 @@ def spawn_workers(nprocs, *worker_args):
     the run ends, it ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or
     SIGTERM here stops them too (mp.spawn's own join would keep waiting while they train on)."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
+    # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
+    # failure; the one line this launcher prints says so already.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     stop = mp.get_context("spawn").Event()  # set when interrupted, for workers still starting
     try:
         # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
