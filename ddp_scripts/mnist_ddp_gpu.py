@@ -460,6 +460,9 @@ def roll_call(check, rank, world_size, timeout):
         sys.exit(1)
     if problems:
         if rank == 0:
+            # torchrun --max-restarts starts a refused job again, to be refused again: say it once.
+            if store.add(f"roll-call/{os.environ.get('TORCHELASTIC_RUN_ID')}/said/{problems[0]}", 1) > 1:
+                sys.exit(1)
             raise UsageError(problems[0])
         sys.exit(1)  # silently: rank 0 says why
 

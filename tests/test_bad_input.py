@@ -84,14 +84,16 @@ def test_missing_output_folders_are_created(tmp_path, script, data_args):
     assert save.stat().st_size > 0 and metrics.stat().st_size > 0
 
 
-@pytest.mark.parametrize("script, args, expected", [
-    ("mnist_ddp_cpu.py", ["--epochs", "0"], "--epochs"),  # the parser (through the roll call)
-    ("mnist_ddp_gpu.py", ["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs a GPU"),  # a check
+@pytest.mark.parametrize("script, args, expected, restarts", [
+    ("mnist_ddp_cpu.py", ["--epochs", "0"], "--epochs", 2),  # the parser (through the roll call)
+    ("mnist_ddp_gpu.py", ["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs a GPU", 0),  # a check
 ])
-def test_under_torchrun_a_refusal_is_said_once(script, args, expected):
-    """Every rank refuses; one of them says so (it was one line from each rank)."""
+def test_under_torchrun_a_refusal_is_said_once(script, args, expected, restarts):
+    """Every rank refuses; one of them says so (it was one line from each rank). With torchrun
+    --max-restarts, every attempt is refused; only the first says so (it was one line each)."""
     start = time.monotonic()
-    r = run_script(script, *args, launcher=torchrun(2), timeout=LIMIT_S + 30)
+    launcher = [*torchrun(2), "--max-restarts", str(restarts)]
+    r = run_script(script, *args, launcher=launcher, timeout=LIMIT_S + 30)
     assert r.returncode != 0 and time.monotonic() - start < LIMIT_S
     lines = [line for line in r.stderr.splitlines() if line.startswith(f"{script}: error:")]
     assert len(lines) == 1 and expected in lines[0], r.stderr
