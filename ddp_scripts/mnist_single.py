@@ -116,13 +116,16 @@ def read_idx(path):
     """One file in MNIST's IDX format: 0, 0, 8 (unsigned bytes), the number of dimensions, each
     size as a big-endian 32-bit integer, then the values."""
     with open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3] if len(data) > 3 else 0
-    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim]) if len(data) >= 4 + 4 * ndim else ()
-    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != 4 + 4 * ndim + math.prod(shape):
+        data = bytearray(f.read())  # writable, as torch.frombuffer wants
+    try:
+        shape = struct.unpack_from(f">{data[3]}I", data, 4)
+    except (IndexError, struct.error):  # not even a whole header
+        shape = ()
+    offset = 4 + 4 * len(shape)
+    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != offset + math.prod(shape):
         raise UsageError(f"{path} is not a whole MNIST-format file (cut short by an interrupted "
                          f"download or copy?): delete it and run again to fetch it anew")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 + 4 * ndim).reshape(shape)
+    return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
 
 
 def load_split(name, data_dir, train):

@@ -2,6 +2,8 @@
 that was never interrupted ends (the same weights, bit for bit): under torchrun --max-restarts, and
 by running the same command again after mp.spawn's job has stopped. Snapshots that cannot be
 continued are refused in one line, before any worker starts."""
+import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +11,8 @@ import time
 
 import pytest
 import torch
-from conftest import GPUS, SCRIPTS, needs_gpu, read_metrics, run_script, script_env, torchrun
+import torch.distributed as dist
+from conftest import GPUS, SCRIPTS, load_script, needs_gpu, read_metrics, run_script, script_env, torchrun
 from test_equivalence import max_abs_diff
 
 SCRIPT = "mnist_ddp_resume.py"
@@ -201,12 +204,6 @@ def test_on_gpus_with_nccl_too(tmp_path, data_args):
 
 def test_a_snapshot_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeypatch):
     """A full disk while writing: the error goes on, the previous snapshot stays, no .part is left."""
-    import argparse
-    import os
-
-    import torch.distributed as dist
-    from conftest import load_script
-
     resume = load_script("mnist_ddp_resume")
     snapshot = tmp_path / "s.pt"
     snapshot.write_bytes(b"the previous snapshot")
@@ -235,4 +232,3 @@ def test_a_snapshot_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeyp
     finally:
         dist.destroy_process_group()
     assert os.listdir(tmp_path) == ["s.pt"] and snapshot.read_bytes() == b"the previous snapshot"
-
