@@ -193,6 +193,9 @@ def evaluate(model, images, labels, rank, world_size):
 
 def train(rank, local_rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    if args.deterministic:  # GPU kernels that give the same bits every run (CPU ones already do)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first use
+        torch.use_deterministic_algorithms(True)  # cuDNN too; an op without such a kernel raises
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
     if args.prepare_in_workers:  # torchrun: no launcher has prepared the data; the ranks do
         args.dataset = prepare_in_turns(
@@ -694,6 +697,9 @@ def parse_args(argv=None):
     p.add_argument("--crash-in-epoch", type=positive(int), default=None,
                    help="for the lesson: the last rank dies halfway through this epoch (2 or "
                         "more), once; a restart or a rerun resumes from the snapshot")
+    p.add_argument("--deterministic", action="store_true",
+                   help="reproducible GPU kernels (slower): without it, two identical GPU runs "
+                        "differ, and so do a resumed run and an uninterrupted one")
     p.add_argument("--timeout", type=positive(int), default=300,
                    help="seconds any collective may wait for the other ranks before failing")
     p.add_argument("--prepare-timeout", type=positive(int), default=3600,

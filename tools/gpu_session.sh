@@ -5,8 +5,8 @@
 #   bash tools/gpu_session.sh run       # there, in ONE device call that carries data and .device
 #
 # `run` builds torch-scatter and torch-sparse there (CPU-only: the sampler runs on the CPU) when
-# neither pyg-lib nor torch-sparse can be imported, and meanwhile runs notebook 03's code cells;
-# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then lessons 5 and 6's GPU tests.
+# neither pyg-lib nor torch-sparse can be imported, and meanwhile runs lessons 5 and 6's GPU tests;
+# then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then notebook 03's code cells.
 # Logs go to $OUT (the device tool's folder that comes back) or build/gpu-session. Exits non-zero
 # if any step failed.
 set -uo pipefail
@@ -51,11 +51,14 @@ run)
             builds+=($!)
         done
     fi
-    # Lesson 3's GPU tests passed on the H200 in session 2 (docs/MAINTAINERS.md): not repeated
-    # here, to keep the call well inside the device's 10-minute limit.
-    echo "== $(date +%T) notebook 03, code cells in plain Python"
-    PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
-        2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)
+    # While the sampler builds: lesson 5 first (its --deterministic GPU test has not run on a GPU
+    # yet), then lesson 6. Lesson 3's GPU tests passed on the H200 in session 2: not repeated.
+    echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
+    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_resume.py -k gpus \
+        2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
+    echo "== $(date +%T) lesson 6 on the GPU (NCCL, accumulation, bf16 gradients)"
+    PYTHONUNBUFFERED=1 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py -k gpus \
+        2>&1 | tee "$out/pytest-comm.log" || failed+=(pytest-comm)
     if ((${#builds[@]})); then
         echo "== $(date +%T) waiting for the sampler build"
         wait "${builds[@]}"
@@ -74,13 +77,10 @@ run)
         failed+=(sampler-build)
         tail -n 5 "$out"/build-*.log
     fi
-    # Last, so that issue 4's checks above come first if the call runs out of time.
-    echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
-    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_resume.py -k gpus \
-        2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
-    echo "== $(date +%T) lesson 6 on the GPU (NCCL, accumulation, bf16 gradients)"
-    PYTHONUNBUFFERED=1 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py -k gpus \
-        2>&1 | tee "$out/pytest-comm.log" || failed+=(pytest-comm)
+    # Last: notebook 03's cells (all passed in session 10), to keep the call inside 10 minutes.
+    echo "== $(date +%T) notebook 03, code cells in plain Python"
+    PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
+        2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)
     if ((${#failed[@]})); then
         echo "gpu-session: failed: ${failed[*]} (logs in $out)"
         exit 1
