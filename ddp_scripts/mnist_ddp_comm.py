@@ -519,9 +519,18 @@ def roll_call(check, rank, world_size, timeout):
         sys.exit(1)  # silently: rank 0 says why
 
 
+def quiet_interrupt_in_finalizer(unraisable):
+    """A Ctrl-C that lands while Python runs a finalizer (a __del__) cannot stop the worker there:
+    Python prints it as "Exception ignored in ..." with a traceback, and goes on. Say nothing: the
+    launcher, interrupted too, sends every worker a SIGINT of its own. Anything else: as usual."""
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
 def spawned_worker(rank, stop, *worker_args):
     """What mp.spawn runs in each new process. spawn_workers started it deaf to Ctrl-C: listen again
     now, and stop at once if the job was interrupted meanwhile; then work."""
+    sys.unraisablehook = quiet_interrupt_in_finalizer
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if not stop.is_set():
         worker(rank, *worker_args)
