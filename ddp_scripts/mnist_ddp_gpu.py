@@ -5,16 +5,14 @@
     python mnist_ddp_gpu.py --backend gloo --device cpu --nprocs 2   # no GPU: the same code on CPU
 
 Self-contained: copy it anywhere, it needs only torch and torchvision (tqdm optional).
-Compare it with mnist_ddp_cpu.py: the diff of the two files is what moving to GPUs changes.
+Compare it with mnist_ddp_cpu.py: the diff is what moving to GPUs changes (above the "hardening" fence).
 """
 import argparse
 import gzip
 import json
-import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import struct
 import sys
@@ -184,7 +182,8 @@ def evaluate(model, images, labels, rank, world_size):
         totals[0] += F.cross_entropy(logits, y, reduction="sum")
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += len(y)
-    # SUM over ranks, then divide (Gloo has no AVG in some releases).
+    # SUM the sums and counts over ranks, then divide once: the shards may differ in size, so an
+    # average of the ranks' averages would be slightly off.
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     model.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
@@ -193,10 +192,6 @@ def evaluate(model, images, labels, rank, world_size):
 def train(rank, local_rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if args.prepare_in_workers:  # torchrun: no launcher has prepared the data; the ranks do
-        args.dataset = prepare_in_turns(
-            lambda dataset: prepare_data(dataset, args.data_dir, verbose=not args.quiet),
-            args.dataset, rank, args.prepare_timeout)
     # MNIST (200 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
@@ -266,8 +261,10 @@ def train(rank, local_rank, world_size, args):
         log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
             f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
             flush=True)
-        # 6. Everyone has finished this epoch before anyone starts the next. NCCL's barrier is a
-        #    tiny all-reduce on a GPU: name this rank's, or torch guesses from the current device.
+        # 6. Optional: a barrier, so that no rank starts the next epoch before all have finished
+        #    this one. DDP does not need it (every backward and the all_reduce above already wait
+        #    for all ranks); it keeps the ranks' per-epoch timings and prints in step. NCCL's
+        #    barrier is a tiny all-reduce on a GPU: name this rank's, or torch guesses the device.
         dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
             break
@@ -288,78 +285,33 @@ def train(rank, local_rank, world_size, args):
                            "epochs": history}, f, indent=2)
 
 
-def prepare_in_turns(prepare, choice, rank, timeout):
-    """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
-    download into the same folder at once. Rank 0 goes first and decides (e.g. what --dataset
-    auto means). Then the first process of each other machine: it downloads a copy only where
-    rank 0's files are not visible (no shared filesystem). Then all the others, which find the
-    files in place. A turn ends when every rank knows that it went well; an error in any rank
-    stops all of them with its one line. A first download can outlast --timeout, so the turns
-    get a process group with a timeout of their own."""
-    group = dist.new_group(timeout=timedelta(seconds=timeout))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    outcomes = [None] * dist.get_world_size()
-    try:
-        # A first exchange while no rank is busy: NCCL connects a new group at its first
-        # collective, through the rendezvous store, whose waits are bounded by --timeout.
-        dist.all_gather_object(outcomes, None, group=group)
-        for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
-            error = None
-            if mine:
-                try:
-                    choice = prepare(choice)
-                except UsageError as err:
-                    error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
-            dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
-            errors = [e for e, _ in outcomes if e]
-            if errors:
-                raise UsageError(errors[0])
-            choice = outcomes[0][1]  # rank 0's decision, for every rank
-    finally:
-        dist.destroy_process_group(group)
-    return choice
-
-
-# --------------------------------------------------------------------------- launching
-def free_port():
-    """A port for rank 0 to listen on: the user's MASTER_PORT if free, else one the OS picks."""
-    if "MASTER_PORT" in os.environ:
-        port = int(os.environ["MASTER_PORT"])
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", port))
-            except OSError:
-                raise UsageError(f"MASTER_PORT={port} is already in use: choose another port "
-                                 f"or unset MASTER_PORT to let the script pick a free one") from None
-        return port
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def worker(rank, world_size, args):
-    """What each process runs, whether spawned below or started by torchrun."""
+    """What each process runs, whether spawned by main() or started by torchrun."""
     # One GPU per process: local_rank numbers the processes on this machine (rank counts all
     # machines). Select the GPU before anything touches CUDA, or every rank piles onto GPU 0.
     local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
-    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by the launcher
-    #    below or by torchrun); NCCL is the backend for GPUs (Gloo for CPUs). The timeout bounds
-    #    every collective, so a rank that dies or stalls turns into an error instead of a hang.
-    dist.init_process_group(args.backend, store=attempt_store(args.timeout), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
+    #    or by torchrun); NCCL is the backend for GPUs (Gloo for CPUs). The timeout bounds every
+    #    collective, so a rank that dies or stalls turns into an error instead of a hang.
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            store=attempt_store(args.timeout),  # plain: nothing
+                            timeout=timedelta(seconds=args.timeout))
     try:
+        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
+            args.dataset = prepare_in_turns(prepare_data, args, rank)  # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
         train(rank, local_rank, world_size, args)
-    except UsageError as err:  # something the user can fix: one line (from rank 0), exit code 1
-        if rank == 0:
-            print(f"{os.path.basename(sys.argv[0])}: error: {err}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(2)  # let rank 0 end first, having said why: the launcher then stops the rest
-        sys.exit(1)
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
+
+
+# --------------------------------------------------------------------------- launching
+def free_port():
+    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def check_device(args):
@@ -385,39 +337,6 @@ def check_device(args):
                          f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
 
 
-def launch(args):
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # Started by torchrun: this process already is one rank, and torchrun set MASTER_ADDR/PORT.
-        # Every rank checks its set-up, and learns how the others' went, before joining the group.
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        roll_call(lambda: check_setup(args, rank), rank, world_size, args.timeout)
-        args.prepare_in_workers = True
-        worker(rank, world_size, args)
-        return
-    check_setup(args, rank=0)
-    # Started by hand: prepare the data once, here, before any worker exists; then spawn
-    # --nprocs copies of this file. Each re-imports it (hence the __main__ guard) and runs worker().
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
-    args.prepare_in_workers = False
-    if args.nprocs > cpu_cores() and not args.quiet:
-        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
-              f"expect it slower than fewer processes", flush=True)
-    spawn_workers(args.nprocs, args)
-
-
-def attempt_store(timeout):
-    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
-    wrote their addresses, and a rank that reads one of those connects to a process that is gone
-    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-
-
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
     check_device(args)
@@ -425,109 +344,25 @@ def check_setup(args, rank):
         check_writable(args.save, args.metrics_json)
 
 
-def roll_call(check, rank, world_size, timeout):
-    """torchrun: every rank runs check() (GPUs, libraries, output paths) and tells all the others
-    how it went, through torchrun's store, before any rank joins the process group. A refusal on
-    one machine then stops every rank within seconds, in one line from rank 0; without the roll
-    call the other machines would wait --timeout for a rank that has gone."""
-    problem = ""
-    try:
-        check()
-    except UsageError as err:
-        problem = str(err) if rank == 0 else f"{err} (rank {rank}, on {socket.gethostname()})"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # RANK set by hand: no store yet
-        if problem:
-            raise UsageError(problem)
+def main(args):
+    if "RANK" in os.environ:
+        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
+        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
+        worker(rank, world_size, args)
         return
-    # Keys of this run, attempt (torchrun --max-restarts starts the ranks again) and world size.
-    prefix = "roll-call/{}/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
-                                          os.environ.get("TORCHELASTIC_RESTART_COUNT"), world_size)
-    keys = [f"{prefix}{r}" for r in range(world_size)]
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=timeout))
-        store.set(keys[rank], problem)
-        store.wait(keys)  # every rank has reported
-        problems = [p for p in (store.get(key).decode() for key in keys) if p]
-        store.add(prefix + "read", 1)
-        # Stay until all have read them: the store lives in rank 0's torchrun, which stops when
-        # one of its ranks ends.
-        deadline = time.monotonic() + timeout
-        while problems and store.add(prefix + "read", 0) < world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except RuntimeError:  # torch's DistError: a rank did not report in time, or the store is gone
-        if problem or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
-            raise UsageError(problem or f"not every rank reported for the roll call (waited up to "
-                                        f"--timeout {timeout} s): look for the error in each "
-                                        f"machine's output") from None
-        sys.exit(1)
-    if problems:
-        if rank == 0:
-            # torchrun --max-restarts starts a refused job again, to be refused again: say it once.
-            if store.add(f"roll-call/{os.environ.get('TORCHELASTIC_RUN_ID')}/said/{problems[0]}", 1) > 1:
-                sys.exit(1)
-            raise UsageError(problems[0])
-        sys.exit(1)  # silently: rank 0 says why
-
-
-def quiet_interrupt_in_finalizer(unraisable):
-    """A Ctrl-C that lands while Python runs a finalizer (a __del__) cannot stop the worker there:
-    Python prints it as "Exception ignored in ..." with a traceback, and goes on. Say nothing: the
-    launcher, interrupted too, sends every worker a SIGINT of its own. Anything else: as usual."""
-    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
-        sys.__unraisablehook__(unraisable)
-
-
-def spawned_worker(rank, stop, *worker_args):
-    """What mp.spawn runs in each new process. spawn_workers started it deaf to Ctrl-C: listen again
-    now, and stop at once if the job was interrupted meanwhile; then work."""
-    sys.unraisablehook = quiet_interrupt_in_finalizer
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not stop.is_set():
-        worker(rank, *worker_args)
-
-
-def spawn_workers(nprocs, *worker_args):
-    """Run worker(rank, nprocs, *worker_args) in nprocs new processes and wait for them. However
-    the run ends, it ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or
-    SIGTERM here stops them too (mp.spawn's own join would keep waiting while they train on)."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
-    # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
-    # failure; the one line this launcher prints says so already.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    stop = mp.get_context("spawn").Event()  # set when interrupted, for workers still starting
-    try:
-        # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
-        # that a Ctrl-C while they import torch prints no traceback from each; they listen again
-        # in spawned_worker. This process stops them, below.
-        listening = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            workers = mp.spawn(spawned_worker, args=(stop, nprocs, *worker_args), nprocs=nprocs,
-                               join=False)
-        finally:
-            signal.signal(signal.SIGINT, listening)
-        while not workers.join():  # True once all have finished; raises when one has failed
-            pass
-    except KeyboardInterrupt:  # pass it on to the workers started; kill any left after 10 s
-        stop.set()  # first: a worker still starting sees it once it listens, the others get SIGINT
-        started, deadline = mp.active_children(), time.monotonic() + 10
-        for process in started:
-            os.kill(process.pid, signal.SIGINT)
-        for process in started:
-            process.join(max(0, deadline - time.monotonic()))  # 10 s for all, not 10 s each
-            if process.is_alive():
-                process.kill()
-        raise
-    except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
-        if err.error_index == 0 and err.exit_code == 1:  # rank 0 has printed why, in one line
-            sys.exit(1)
-        how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
-        raise UsageError(f"worker {err.error_index} ended with {how}; the other workers were "
-                         f"stopped") from None
-    except mp.ProcessRaisedException as err:  # an unexpected exception: show its traceback
-        print(err, file=sys.stderr)
-        raise UsageError("a worker raised the exception above; the other workers were stopped") \
-            from None
+    # Started by hand: check, and prepare the data, once, here, before any worker exists; then
+    # start --nprocs copies of this file. Each re-imports it (hence the __main__ guard) and runs
+    # worker(rank, nprocs, args).
+    check_setup(args, rank=0)
+    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
+    if args.nprocs > cpu_cores() and not args.quiet:
+        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
+              f"expect it slower than fewer processes", flush=True)
+    spawn_workers(worker, args.nprocs, args)  # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
 
 
 # --------------------------------------------------------------------------- command line
@@ -537,20 +372,7 @@ def cpu_cores():
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
-        problem = f"{message} (see --help)"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            # torchrun: answer the roll call with it, so that the other machines stop now instead
-            # of waiting --timeout for this rank; then rank 0 alone says it, for all.
-            def refuse():
-                raise UsageError(problem)
-            try:
-                roll_call(refuse, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                          self.get_default("timeout"))
-            except UsageError as err:  # rank 0: the first problem of all ranks
-                problem = str(err)
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print(f"{self.prog}: error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(f"{message} (see --help)")
 
 
 def positive(kind):
@@ -590,9 +412,7 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     p.add_argument("--timeout", type=positive(int), default=300,
                    help="seconds any collective may wait for the other ranks before failing")
-    p.add_argument("--prepare-timeout", type=positive(int), default=3600,
-                   help="under torchrun: seconds a rank may wait while others download and "
-                        "prepare the data")
+    add_hardening_flags(p)  # plain: nothing
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
@@ -617,17 +437,245 @@ def check_writable(*paths):
             raise UsageError(f"cannot write {path}: no write permission in {folder}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+# ================================================================================== hardening
+# Below this fence: what makes the lesson above safe on real clusters, the same block in every
+# DDP script of the course (a test keeps the copies identical). The lesson reaches it through the
+# calls marked "# plain: ...", each followed by what it stands for; ddp_scripts/minimal/ holds each
+# script with those plain forms and without this part. It relies on the lesson's imports and
+# on its UsageError, parse_args() and main().
+
+def add_hardening_flags(parser):
+    parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
+                        help="under torchrun: seconds a rank may wait while others download and "
+                             "prepare the data")
+
+
+def master_port():
+    """A port for rank 0 to listen on: the user's MASTER_PORT if it is free, else one the OS picks.
+    A busy one is refused now, in one line, rather than by every worker with a traceback."""
+    if "MASTER_PORT" not in os.environ:
+        return str(free_port())
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise UsageError(f"MASTER_PORT={port} is already in use: choose another port "
+                             f"or unset MASTER_PORT to let the script pick a free one") from None
+    return str(port)
+
+
+def attempt_store(timeout):
+    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
+    wrote their addresses, and a rank that reads one of those connects to a process that is gone
+    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+
+
+def roll_call(check, args, rank, world_size, timeout=None):
+    """torchrun: every rank runs check(args, rank) (GPUs, libraries, output paths) and tells all
+    the others how it went, through torchrun's store, before any rank joins the process group. A
+    refusal on one machine then stops every rank within seconds, said once, by rank 0; without the
+    roll call the other machines would wait --timeout for a rank that has gone. On a refusal every
+    rank exits with code 1."""
+    timeout = timeout or args.timeout
+    problem = ""
     try:
-        launch(args)
+        check(args, rank)
     except UsageError as err:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+        problem = str(err) if rank == 0 else f"{err} (rank {rank}, on {socket.gethostname()})"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # RANK set by hand: no store yet
+        if problem:
+            say(problem)
+            sys.exit(1)
+        return
+    # Keys of this run, attempt (torchrun --max-restarts starts the ranks again) and world size.
+    prefix = "roll-call/{}/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
+                                          os.environ.get("TORCHELASTIC_RESTART_COUNT"), world_size)
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=timeout))
+        store.set(keys[rank], problem)
+        store.wait(keys)  # every rank has reported
+        problems = [p for p in (store.get(key).decode() for key in keys) if p]
+        store.add(prefix + "read", 1)
+        # Stay until all have read them: the store lives in rank 0's torchrun, which stops when
+        # one of its ranks ends.
+        deadline = time.monotonic() + timeout
+        while problems and store.add(prefix + "read", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:  # torch's DistError: a rank did not report in time, or the store is gone
+        if problem or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
+            say(problem or f"not every rank reported for the roll call (waited up to --timeout "
+                           f"{timeout} s): look for the error in each machine's output")
+            sys.exit(1)
+        exit_after_the_speaker()
+    if problems:
+        # Rank 0 says the first; torchrun --max-restarts starts a refused job again, to be refused
+        # again: only the first attempt says it.
+        said = f"roll-call/{os.environ.get('TORCHELASTIC_RUN_ID')}/said/{problems[0]}"
+        if rank == 0:
+            if store.add(said, 1) == 1:
+                say(problems[0])
+            sys.exit(1)
+        exit_after_the_speaker()
+
+
+def prepare_in_turns(prepare, args, rank):
+    """torchrun: run prepare(choice, args.data_dir, verbose) in every rank, in three turns, so that no two
+    processes ever download into the same folder at once. Rank 0 goes first and decides (e.g. what
+    --dataset auto means). Then the first process of each other machine: it downloads a copy only
+    where rank 0's files are not visible (no shared filesystem). Then all the others, which find
+    the files in place. A turn ends when every rank knows that it went well; an error in any rank
+    stops all of them with its one line. A first download can outlast --timeout, so the turns get
+    a process group with a timeout of their own (--prepare-timeout). Returns rank 0's choice."""
+    group = dist.new_group(timeout=timedelta(seconds=args.prepare_timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    outcomes, choice = [None] * dist.get_world_size(), args.dataset
+    try:
+        # A first exchange while no rank is busy: NCCL connects a new group at its first
+        # collective, through the rendezvous store, whose waits are bounded by --timeout.
+        dist.all_gather_object(outcomes, None, group=group)
+        for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
+            error = None
+            if mine:
+                try:
+                    choice = prepare(choice, args.data_dir, verbose=not args.quiet)
+                except UsageError as err:
+                    error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
+            dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
+            errors = [e for e, _ in outcomes if e]
+            if errors:
+                raise UsageError(errors[0])
+            choice = outcomes[0][1]  # rank 0's decision, for every rank
+    finally:
+        dist.destroy_process_group(group)
+    return choice
+
+
+def quiet_interrupt_in_finalizer(unraisable):
+    """A Ctrl-C that lands while Python runs a finalizer (a __del__) cannot stop the worker there:
+    Python prints it as "Exception ignored in ..." with a traceback, and goes on. Say nothing: the
+    launcher, interrupted too, sends every worker a SIGINT of its own. Anything else: as usual."""
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
+def spawned_worker(rank, worker, stop, *worker_args):
+    """What mp.spawn runs in each new process. spawn_workers started it deaf to Ctrl-C: listen again
+    now, and stop at once if the job was interrupted meanwhile; then work, an error said once."""
+    import signal
+
+    sys.unraisablehook = quiet_interrupt_in_finalizer
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not stop.is_set():
+        try:
+            worker(rank, *worker_args)
+        except UsageError as err:
+            said_once(err, rank)
+
+
+def spawn_workers(worker, nprocs, *worker_args):
+    """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), and however the run ends, it
+    ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or SIGTERM here
+    stops them too (mp.spawn's own join would keep waiting while they train on)."""
+    import logging
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
+    # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
+    # failure; the one line this launcher prints says so already.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    stop = mp.get_context("spawn").Event()  # set when interrupted, for workers still starting
+    try:
+        # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
+        # that a Ctrl-C while they import torch prints no traceback from each; they listen again
+        # in spawned_worker. This process stops them, below.
+        listening = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            workers = mp.spawn(spawned_worker, args=(worker, stop, nprocs, *worker_args),
+                               nprocs=nprocs, join=False)
+        finally:
+            signal.signal(signal.SIGINT, listening)
+        while not workers.join():  # True once all have finished; raises when one has failed
+            pass
+    except KeyboardInterrupt:  # pass it on to the workers started; kill any left after 10 s
+        stop.set()  # first: a worker still starting sees it once it listens, the others get SIGINT
+        started, deadline = mp.active_children(), time.monotonic() + 10
+        for process in started:
+            os.kill(process.pid, signal.SIGINT)
+        for process in started:
+            process.join(max(0, deadline - time.monotonic()))  # 10 s for all, not 10 s each
+            if process.is_alive():
+                process.kill()
+        raise
+    except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
+        if err.error_index == 0 and err.exit_code == 1:  # rank 0 has printed why, in one line
+            sys.exit(1)
+        how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+        raise UsageError(f"worker {err.error_index} ended with {how}; the other workers were "
+                         f"stopped") from None
+    except mp.ProcessRaisedException as err:  # an unexpected exception: show its traceback
+        print(err, file=sys.stderr)
+        raise UsageError("a worker raised the exception above; the other workers were stopped") \
+            from None
+
+
+def say(problem):
+    print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr, flush=True)
+
+
+def said_once(err, rank):
+    """An error in the workers, which every rank may have met: rank 0 says it, in one line."""
+    if rank == 0:
+        say(err)
+        sys.exit(1)
+    exit_after_the_speaker()
+
+
+def exit_after_the_speaker():
+    """Exit code 1, quietly, a little later than the rank that says why: the launcher (or torchrun)
+    stops the other processes of a job as soon as one has ended, and would stop that rank before
+    it had spoken."""
+    time.sleep(2)
+    sys.exit(1)
+
+
+def run_main(argv=None):
+    """main(parse_args(argv)), with every way it can end said in one line: a mistake in the
+    command line (exit code 2; under torchrun it answers the roll call, so that a typo on one
+    machine stops every machine), an error found by a check or by the workers (1), Ctrl-C or
+    SIGTERM (130)."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        args = parse_args(argv)
+    except UsageError as err:
+        problem = str(err)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            def refuse(args, rank):
+                raise UsageError(problem)
+            # 300: the parser's default --timeout, since this command line's own cannot be read.
+            roll_call(refuse, None, rank, int(os.environ["WORLD_SIZE"]), timeout=300)
+        say(problem)
+        sys.exit(2)
+    try:
+        main(args)
+    except UsageError as err:
+        if "RANK" in os.environ:  # torchrun: every rank may have met it; rank 0 says it
+            said_once(err, rank)
+        say(err)
+        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped
-        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one line from rank 0
+        if rank == 0:  # under torchrun, one line from rank 0
             print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)
         sys.exit(130)
 
 
 if __name__ == "__main__":
-    main()
+    run_main()  # plain: main(parse_args())

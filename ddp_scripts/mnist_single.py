@@ -4,7 +4,7 @@
     python mnist_single.py --model linear --batch-size 128 --max-steps 50 --no-shuffle
 
 Self-contained: copy it anywhere, it needs only torch and torchvision (tqdm optional).
-Compare it with mnist_ddp_cpu.py: the diff of the two files is the DDP lesson.
+Compare it with mnist_ddp_cpu.py: the diff is the DDP lesson (the part above the "hardening" fence).
 """
 import argparse
 import gzip
@@ -234,6 +234,12 @@ def train(args):
                        "epochs": history}, f, indent=2)
 
 
+def main(args):
+    check_writable(args.save, args.metrics_json)
+    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+    train(args)
+
+
 # --------------------------------------------------------------------------- command line
 def cpu_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -241,7 +247,7 @@ def cpu_cores():
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
-        sys.exit(f"{self.prog}: error: {message} (see --help)")
+        raise UsageError(f"{message} (see --help)")
 
 
 def positive(kind):
@@ -289,15 +295,8 @@ def check_writable(*paths):
             raise UsageError(f"cannot write {path}: no write permission in {folder}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        check_writable(args.save, args.metrics_json)
-        args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
-        train(args)
-    except UsageError as err:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
-
-
 if __name__ == "__main__":
-    main()
+    try:
+        main(parse_args())
+    except UsageError as err:  # something the user can fix: one line, no traceback
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")

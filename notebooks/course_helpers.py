@@ -21,7 +21,9 @@ def run(*args, check=True, memory=None):
     """Run `python <args>` from the repository root, printing its output line by line as it comes.
 
     run("ddp_scripts/mnist_ddp_cpu.py", "--nprocs", 2) is what you would type in a terminal.
-    With memory=PeakMemory(...), the command's process tree is watched while it runs.
+    With memory=PeakMemory(...), the command's process tree is watched while it runs. A command
+    that fails raises (check=True) or returns its exit code (check=False); one that succeeds
+    returns None, so that a cell ending in run(...) shows only the command's output.
     """
     argv = [str(a) for a in args]
     print("$ python " + " ".join(shlex.quote(a) for a in argv), flush=True)
@@ -40,7 +42,35 @@ def run(*args, check=True, memory=None):
         memory.join()
     if check and proc.returncode != 0:
         raise RuntimeError(f"the command exited with code {proc.returncode} (its output is above)")
-    return proc.returncode
+    return None if check else proc.returncode
+
+
+def function_diff(before, after, name, context=1):
+    """The unified diff of top-level function `name` between two scripts of ddp_scripts/ (each read
+    above its hardening fence, where the lesson is), as text; a function new in `after` shows
+    whole, as added lines."""
+    import ast
+    import difflib
+
+    def source(script):
+        text = lesson_text(script)
+        for node in ast.parse(text).body:
+            if getattr(node, "name", None) == name:
+                return text.splitlines()[node.lineno - 1 - len(node.decorator_list):node.end_lineno]
+        return []
+
+    return "\n".join(difflib.unified_diff(source(before), source(after), f"{before}", f"{after}",
+                                          lineterm="", n=context))
+
+
+def lesson_text(script):
+    """A script of ddp_scripts/ as a learner reads it: a DDP script's lesson part (above its
+    hardening fence) and its __main__ block; any other script whole."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import make_minimal
+
+    path = SCRIPTS / script
+    return make_minimal.lesson_view(path) if path in make_minimal.ddp_scripts() else path.read_text()
 
 
 def free_port():

@@ -1,6 +1,8 @@
 """Shared helpers: paths, running a script as a user would (a subprocess with a time limit),
 and the dataset prepared once for the whole session."""
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import struct
@@ -50,17 +52,19 @@ def run_script(script, *args, timeout=240, env=None, launcher=None):
 
 
 def refused_before_spawn(module, monkeypatch, argv, gpus):
-    """Run a script's main() in-process with `gpus` faked GPUs: it must refuse in one line, within
-    seconds, before anything is spawned. Returns the message."""
+    """Run a script's command line in-process with `gpus` faked GPUs: it must refuse in one line
+    on stderr, within seconds, before anything is spawned. Returns the line."""
     monkeypatch.setattr(module.torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(module.torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(module.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
     monkeypatch.delenv("RANK", raising=False)
     start = time.monotonic()
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(argv)
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(stderr):
+        module.run_main(argv)
     assert time.monotonic() - start < 5
-    message = str(exit_info.value.code)
+    assert exit_info.value.code not in (0, None)
+    message = stderr.getvalue().strip()
     assert "\n" not in message and "error" in message
     return message
 

@@ -50,7 +50,6 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, dataset,
     args = comm.parse_args(["--model", "linear", "--dataset", dataset, "--data-dir", str(DATA_DIR),
                             "--batch-size", "5000", "--nprocs", "1", "--quiet", "--comm-hook", "fp16",
                             "--accum-steps", str(accum_steps), *CPU])
-    args.prepare_in_workers = False
     comm.worker(0, 1, args)
     # 60,000 images in micro-batches of 5,000: 12 a pass; groups of 5 are 5, 5 and a last of 2.
     assert micro_batches == 60_000 // 5000

@@ -41,3 +41,19 @@ def test_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args, s
     torch.manual_seed(0)
     initial = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10)).state_dict()
     assert max_abs_diff(single, initial) > 1e-2
+
+
+def test_gradients_averaged_by_hand_end_with_ddps_weights(tmp_path, data_args):
+    """mnist_by_hand.py: a plain model, rank 0's weights broadcast, each gradient all-reduced and
+    divided by the number of ranks. It takes DDP's steps, and one process's on the global batch."""
+    world_size, batch = 2, 40
+    common = ["--nprocs", world_size, "--batch-size", batch]
+    ddp = train_and_load(tmp_path, "ddp", "mnist_ddp_cpu.py", *common, data_args=data_args)
+    by_hand = train_and_load(tmp_path, "by-hand", "mnist_by_hand.py", *common, data_args=data_args)
+    single = train_and_load(tmp_path, "single", "mnist_single.py", "--batch-size", world_size * batch,
+                            data_args=data_args)
+    assert max_abs_diff(ddp, by_hand) < 1e-6
+    assert max_abs_diff(single, by_hand) < 1e-5
+    # The control: one process with one rank's batch takes other steps, so the comparison can fail.
+    alone = train_and_load(tmp_path, "alone", "mnist_single.py", "--batch-size", batch, data_args=data_args)
+    assert max_abs_diff(alone, by_hand) > 1e-3

@@ -1,0 +1,479 @@
+# The minimal form of ../mnist_ddp_debug.py, written by tools/make_minimal.py (make minimal):
+# its lesson part, each call into the hardening replaced by the plain code it stands
+# for. What that leaves out: ../README.md. Edit ../mnist_ddp_debug.py, not this file.
+"""Lesson 8: lesson 2's training with two debugging aids: a watchdog that prints where each rank is
+when it stops making progress, and a check that the replicas are still equal.
+
+    python mnist_ddp_debug.py --nprocs 2 --watchdog 60 --check-sync-every 100
+    python mnist_ddp_debug.py --bug stall --watchdog 5 --timeout 20  # see a stuck rank found
+    python mnist_ddp_debug.py --bug diverge --check-sync-every 10    # see silent divergence caught
+
+Self-contained: copy it anywhere, it needs only torch and torchvision (tqdm optional).
+Compare it with mnist_ddp_cpu.py: the diff is the lesson (above the "hardening" fence).
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import shutil
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from urllib.error import URLError
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+try:
+    from tqdm import tqdm
+    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
+    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
+    tqdm.set_lock(threading.RLock())
+except ImportError:  # the progress bar is optional
+
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+# --------------------------------------------------------------------------- data
+# torchvision's folder (and class) names. torchvision downloads the files; this script reads them
+# itself, and imports torchvision only to download: the import takes ~1.5 s in every process.
+FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
+MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
+RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+# Debian's package dataset-fashion-mnist puts the four .gz files here (an offline fallback).
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+class UsageError(Exception):
+    """Something the user can fix: reported in one line, without a traceback."""
+
+
+def raw_dir(name, data_dir):
+    return os.path.join(data_dir, FOLDERS[name], "raw")  # torchvision's layout
+
+
+def have_files(name, data_dir):
+    return all(os.path.exists(os.path.join(raw_dir(name, data_dir), f)) for f in RAW_FILES)
+
+
+def try_download(name, data_dir):
+    """torchvision's own download; False (within seconds, not minutes) when offline."""
+    from torchvision import datasets
+
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(10)
+    try:
+        getattr(datasets, FOLDERS[name])(data_dir, train=True, download=True)  # train and test files
+        return True
+    except (RuntimeError, URLError, OSError):
+        return False
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def copy_from_package(data_dir):
+    os.makedirs(raw_dir("fashion-mnist", data_dir), exist_ok=True)
+    for f in RAW_FILES:
+        target = os.path.join(raw_dir("fashion-mnist", data_dir), f)
+        with gzip.open(os.path.join(FASHION_MNIST_PACKAGE_DIR, f + ".gz")) as src, \
+                open(target + ".part", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(target + ".part", target)  # atomic: a reader never sees half a file
+
+
+def prepare_data(dataset, data_dir, verbose=True):
+    """Put the files on disk (download at most once) and return the dataset actually used.
+
+    Call it in ONE process: N processes downloading into the same folder corrupt each other.
+    """
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot use --data-dir {data_dir}: {err.strerror}") from None
+    if dataset in ("auto", "mnist"):
+        if have_files("mnist", data_dir) or try_download("mnist", data_dir):
+            return "mnist"
+        if dataset == "mnist":
+            raise UsageError(
+                f"MNIST is not in {raw_dir('mnist', data_dir)} and could not be downloaded (offline?): "
+                f"run once online, copy the four *-ubyte files there, or use --dataset fashion-mnist")
+    if not have_files("fashion-mnist", data_dir):
+        if os.path.isdir(FASHION_MNIST_PACKAGE_DIR):
+            copy_from_package(data_dir)
+        elif not try_download("fashion-mnist", data_dir):
+            raise UsageError(
+                f"Fashion-MNIST is not in {raw_dir('fashion-mnist', data_dir)} and could not be "
+                f"downloaded (offline?): install Debian's dataset-fashion-mnist or copy the files there")
+    if dataset == "auto" and verbose:
+        print("MNIST is not available (no files, no download): using Fashion-MNIST instead "
+              "(same shapes, 10 classes of clothing).", flush=True)
+    return "fashion-mnist"
+
+
+def read_idx(path):
+    """One file in MNIST's IDX format: 0, 0, 8 (unsigned bytes), the number of dimensions, each
+    size as a big-endian 32-bit integer, then the values."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())  # writable, as torch.frombuffer wants
+    try:
+        shape = struct.unpack_from(f">{data[3]}I", data, 4)
+    except (IndexError, struct.error):  # not even a whole header
+        shape = ()
+    offset = 4 + 4 * len(shape)
+    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != offset + math.prod(shape):
+        raise UsageError(f"{path} is not a whole MNIST-format file (cut short by an interrupted "
+                         f"download or copy?): delete it and run again to fetch it anew")
+    return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
+
+
+def load_split(name, data_dir, train):
+    """Decode the whole split into tensors once: no per-sample PIL work while training."""
+    prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
+    images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
+    mean, std = MEAN_STD[name]
+    images = images.float().div(255).sub(mean).div(std).unsqueeze(1)  # N x 1 x 28 x 28
+    return images, labels.long()
+
+
+# --------------------------------------------------------------------------- models
+class ConvNet(nn.Module):
+    """Two conv and two linear layers with dropout (Mastering PyTorch, chapter 11)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(32 * 12 * 12, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)  # logits
+
+
+def build_model(name):
+    if name == "linear":  # Flatten + Linear (Graph Neural Networks in Action, 7.8)
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    return ConvNet()
+
+
+# --------------------------------------------------------------------------- debugging aids
+class Watchdog:
+    """A thread that prints where this rank is when it has made no progress for `seconds`: the
+    stack of the main thread, tagged with the rank. In a hang, every rank reports, so one sees at
+    once which rank is stuck outside the collectives and where the others wait for it (DDP's
+    all-reduce inside backward, a barrier). It only reports: the group's timeout ends the job."""
+
+    def __init__(self, rank, seconds):
+        self.rank, self.seconds = rank, seconds
+        self.last, self.reported = time.monotonic(), False
+        self.main = threading.main_thread().ident
+        self.stopped = threading.Event()
+        if seconds > 0:
+            threading.Thread(target=self.watch, daemon=True).start()
+
+    def progress(self):  # call after each step, evaluation, barrier
+        self.last, self.reported = time.monotonic(), False
+
+    def watch(self):
+        # The main thread waits for collectives in C++ with the GIL released, so this one runs.
+        while not self.stopped.wait(min(1.0, self.seconds / 4)):
+            idle = time.monotonic() - self.last
+            if idle >= self.seconds and not self.reported:
+                self.reported = True  # once per stall
+                frames = traceback.extract_stack(sys._current_frames()[self.main])[-6:]
+                print(f"watchdog: rank {self.rank} has made no progress for {idle:.0f} s; it is at:\n"
+                      + "".join(traceback.format_list(frames)), file=sys.stderr, flush=True)
+
+    def stop(self):
+        self.stopped.set()
+
+
+def check_replicas(model, steps):
+    """DDP keeps the replicas equal only if nothing changes one rank's copy alone. Compare a
+    checksum of every parameter and buffer across ranks (replicas are equal to the bit, so the
+    sums are too); stop every rank with the first tensor that differs."""
+    names, tensors = zip(*model.module.state_dict().items())
+    mine = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for t in tensors])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)  # a collective: every rank checks at the same steps
+    for other, theirs in enumerate(every):
+        differs = (theirs != every[0]).any(dim=1).nonzero()
+        if len(differs):
+            name = names[differs[0].item()]
+            raise UsageError(f"the replicas differ after step {steps}: {name} is not the same on "
+                             f"ranks 0 and {other} (something changed one rank's copy outside DDP: "
+                             f"a load, an update or a random draw on some ranks only)")
+
+
+def inject_bug(bug, rank, model, args):
+    """For the lesson: the two mistakes this script's aids find, on the last rank or the first."""
+    if bug == "stall" and rank == dist.get_world_size() - 1:
+        # A rank stuck outside the collectives: a slow disk, an input() prompt, a hung loader.
+        time.sleep(10 * args.timeout)
+    if bug == "diverge" and rank == 0:
+        # Rank 0 alone loads weights after DDP was built (DDP broadcasts them only when it starts):
+        # from now on the replicas differ, and nothing fails.
+        model.module.load_state_dict(build_model(args.model).state_dict())
+
+
+# --------------------------------------------------------------------------- training
+@torch.no_grad()
+def evaluate(model, images, labels, rank, world_size):
+    """Loss and accuracy over the whole test set: each rank scores every world_size-th image."""
+    model.eval()
+    images, labels = images[rank::world_size], labels[rank::world_size]  # disjoint shards
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for x, y in zip(images.split(1000), labels.split(1000)):
+        logits = model(x)
+        totals[0] += F.cross_entropy(logits, y, reduction="sum").item()
+        totals[1] += (logits.argmax(1) == y).sum().item()
+        totals[2] += len(y)
+    # SUM the sums and counts over ranks, then divide once: the shards may differ in size, so an
+    # average of the ranks' averages would be slightly off.
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    model.train()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def train(rank, world_size, args):
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
+    test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
+
+    # 2. Instantiate the model, then wrap it. The same seed gives every rank the same start
+    #    (DDP also broadcasts rank 0's weights); a per-rank seed afterwards decorrelates dropout.
+    torch.manual_seed(args.seed)
+    model = DDP(build_model(args.model))
+    torch.manual_seed(args.seed + rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
+    #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
+    train_set = TensorDataset(train_images, train_labels)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=not args.no_shuffle, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
+    log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
+        f"torch thread(s) each, batch {args.batch_size} per process "
+        f"({args.batch_size * world_size} in all)", flush=True)
+    watchdog = Watchdog(rank, args.watchdog)  # from here on, a rank that stalls says where it is
+    history, steps, checks, start = [], 0, 0, time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        epoch_start = time.perf_counter()
+        loss_sum, seen = 0.0, 0
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
+                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        for x, y in bar:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()  # 4. DDP all-reduces (averages) the gradients here, during backward
+            optimizer.step()  # ... so every rank takes the same step and the replicas stay equal
+            loss_sum += loss.item() * len(y)
+            seen += len(y)
+            steps += 1
+            watchdog.progress()
+            if steps == args.bug_step:
+                inject_bug(args.bug, rank, model, args)
+            if args.check_sync_every and steps % args.check_sync_every == 0:
+                check_replicas(model, steps)  # stops every rank with the tensor that differs
+                checks += 1
+            if steps == args.max_steps:
+                break
+        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+
+        # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
+        #    model.module is used because evaluation needs no gradient synchronisation.
+        test_loss, test_accuracy = evaluate(model.module, test_images, test_labels, rank, world_size)
+        train_totals = torch.tensor([loss_sum, seen], dtype=torch.float64)
+        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
+        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
+        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
+                        "test_accuracy": test_accuracy, "seconds": seconds,
+                        "images_per_second": seen_all / seconds, "steps": steps})
+        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
+            flush=True)
+        # 6. Optional: a barrier, so that no rank starts the next epoch before all have finished
+        #    this one. DDP does not need it (every backward and the all_reduce above already wait
+        #    for all ranks); it keeps the ranks' per-epoch timings and prints in step.
+        dist.barrier()
+        watchdog.progress()
+        if steps == args.max_steps:
+            break
+    watchdog.stop()
+
+    # 7. Print and save on rank 0 only; model.module holds plain (non-DDP) parameter names.
+    if rank == 0:
+        last = history[-1]
+        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
+              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
+              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
+        if args.check_sync_every:
+            print(f"replicas compared {checks} times (every {args.check_sync_every} steps): equal",
+                  flush=True)
+        if args.save:
+            torch.save(model.module.state_dict(), args.save)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as f:
+                json.dump({"world_size": world_size, "model": args.model, "dataset": args.dataset,
+                           "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
+                           "replica_checks": checks, "epochs": history}, f, indent=2)
+
+
+def worker(rank, world_size, args):
+    """What each process runs, whether spawned by main() or started by torchrun."""
+    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
+    #    or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective, so a
+    #    rank that dies or stalls turns into an error instead of a hang.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
+            args.dataset = prepare_data(args.dataset, args.data_dir)
+        train(rank, world_size, args)
+    finally:
+        dist.destroy_process_group()  # 8. tear down, even after an error
+
+
+# --------------------------------------------------------------------------- launching
+def free_port():
+    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def check_setup(args, rank):
+    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    if rank == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
+
+
+def main(args):
+    if "RANK" in os.environ:
+        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
+        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        check_setup(args, rank)
+        worker(rank, world_size, args)
+        return
+    # Started by hand: check, and prepare the data, once, here, before any worker exists; then
+    # start --nprocs copies of this file. Each re-imports it (hence the __main__ guard) and runs
+    # worker(rank, nprocs, args).
+    check_setup(args, rank=0)
+    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    if args.nprocs > cpu_cores() and not args.quiet:
+        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
+              f"expect it slower than fewer processes", flush=True)
+    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+
+
+# --------------------------------------------------------------------------- command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def non_negative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
+    return value
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
+    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
+                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64)
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--nprocs", type=positive(int), default=2,
+                   help="processes to spawn (ignored under torchrun, which sets WORLD_SIZE)")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--timeout", type=positive(int), default=300,
+                   help="seconds any collective may wait for the other ranks before failing")
+    p.add_argument("--watchdog", type=non_negative, default=60,
+                   help="seconds without progress after which each rank prints where it is (0: off)")
+    p.add_argument("--check-sync-every", type=non_negative, default=100,
+                   help="compare the replicas every this many steps (0: never)")
+    p.add_argument("--bug", choices=["none", "stall", "diverge"], default="none",
+                   help="for the lesson: stall (the last rank stops responding) or diverge "
+                        "(rank 0 alone reloads its weights)")
+    p.add_argument("--bug-step", type=positive(int), default=10, help="the step after which --bug strikes")
+    args = p.parse_args(argv)
+    if args.threads_per_proc is None:
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
+        args.threads_per_proc = max(1, cpu_cores() // procs)
+    return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
+
+
+if __name__ == "__main__":
+    main(parse_args())

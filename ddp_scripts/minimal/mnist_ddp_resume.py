@@ -1,0 +1,567 @@
+# The minimal form of ../mnist_ddp_resume.py, written by tools/make_minimal.py (make minimal):
+# its lesson part, each call into the hardening replaced by the plain code it stands
+# for. What that leaves out: ../README.md. Edit ../mnist_ddp_resume.py, not this file.
+"""Lesson 5: lesson 3's training made to survive a crash: a snapshot after every epoch, resumed.
+
+    torchrun --nproc-per-node 2 --max-restarts 3 mnist_ddp_resume.py --epochs 5   # restarts on a crash
+    python mnist_ddp_resume.py --epochs 5          # crashed or stopped? run it again: it resumes
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 mnist_ddp_resume.py --backend gloo \\
+        --device cpu --epochs 3 --crash-in-epoch 2   # no GPU; a rank crashes once, the job resumes
+
+Self-contained: copy it anywhere, it needs only torch and torchvision (tqdm optional).
+Compare it with mnist_ddp_gpu.py: the diff is what fault tolerance adds (above the "hardening" fence).
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from datetime import timedelta
+from urllib.error import URLError
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import BatchSampler, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+try:
+    from tqdm import tqdm
+    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
+    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
+    tqdm.set_lock(threading.RLock())
+except ImportError:  # the progress bar is optional
+
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+# --------------------------------------------------------------------------- data
+# torchvision's folder (and class) names. torchvision downloads the files; this script reads them
+# itself, and imports torchvision only to download: the import takes ~1.5 s in every process.
+FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
+MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
+RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+# Debian's package dataset-fashion-mnist puts the four .gz files here (an offline fallback).
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+class UsageError(Exception):
+    """Something the user can fix: reported in one line, without a traceback."""
+
+
+def raw_dir(name, data_dir):
+    return os.path.join(data_dir, FOLDERS[name], "raw")  # torchvision's layout
+
+
+def have_files(name, data_dir):
+    return all(os.path.exists(os.path.join(raw_dir(name, data_dir), f)) for f in RAW_FILES)
+
+
+def try_download(name, data_dir):
+    """torchvision's own download; False (within seconds, not minutes) when offline."""
+    from torchvision import datasets
+
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(10)
+    try:
+        getattr(datasets, FOLDERS[name])(data_dir, train=True, download=True)  # train and test files
+        return True
+    except (RuntimeError, URLError, OSError):
+        return False
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def copy_from_package(data_dir):
+    os.makedirs(raw_dir("fashion-mnist", data_dir), exist_ok=True)
+    for f in RAW_FILES:
+        target = os.path.join(raw_dir("fashion-mnist", data_dir), f)
+        with gzip.open(os.path.join(FASHION_MNIST_PACKAGE_DIR, f + ".gz")) as src, \
+                open(target + ".part", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(target + ".part", target)  # atomic: a reader never sees half a file
+
+
+def prepare_data(dataset, data_dir, verbose=True):
+    """Put the files on disk (download at most once) and return the dataset actually used.
+
+    Call it in ONE process: N processes downloading into the same folder corrupt each other.
+    """
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot use --data-dir {data_dir}: {err.strerror}") from None
+    if dataset in ("auto", "mnist"):
+        if have_files("mnist", data_dir) or try_download("mnist", data_dir):
+            return "mnist"
+        if dataset == "mnist":
+            raise UsageError(
+                f"MNIST is not in {raw_dir('mnist', data_dir)} and could not be downloaded (offline?): "
+                f"run once online, copy the four *-ubyte files there, or use --dataset fashion-mnist")
+    if not have_files("fashion-mnist", data_dir):
+        if os.path.isdir(FASHION_MNIST_PACKAGE_DIR):
+            copy_from_package(data_dir)
+        elif not try_download("fashion-mnist", data_dir):
+            raise UsageError(
+                f"Fashion-MNIST is not in {raw_dir('fashion-mnist', data_dir)} and could not be "
+                f"downloaded (offline?): install Debian's dataset-fashion-mnist or copy the files there")
+    if dataset == "auto" and verbose:
+        print("MNIST is not available (no files, no download): using Fashion-MNIST instead "
+              "(same shapes, 10 classes of clothing).", flush=True)
+    return "fashion-mnist"
+
+
+def read_idx(path):
+    """One file in MNIST's IDX format: 0, 0, 8 (unsigned bytes), the number of dimensions, each
+    size as a big-endian 32-bit integer, then the values."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())  # writable, as torch.frombuffer wants
+    try:
+        shape = struct.unpack_from(f">{data[3]}I", data, 4)
+    except (IndexError, struct.error):  # not even a whole header
+        shape = ()
+    offset = 4 + 4 * len(shape)
+    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != offset + math.prod(shape):
+        raise UsageError(f"{path} is not a whole MNIST-format file (cut short by an interrupted "
+                         f"download or copy?): delete it and run again to fetch it anew")
+    return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
+
+
+def load_split(name, data_dir, train):
+    """Decode the whole split into tensors once: no per-sample PIL work while training."""
+    prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
+    images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
+    mean, std = MEAN_STD[name]
+    images = images.float().div(255).sub(mean).div(std).unsqueeze(1)  # N x 1 x 28 x 28
+    return images, labels.long()
+
+
+# --------------------------------------------------------------------------- models
+class ConvNet(nn.Module):
+    """Two conv and two linear layers with dropout (Mastering PyTorch, chapter 11)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(32 * 12 * 12, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)  # logits
+
+
+def build_model(name):
+    if name == "linear":  # Flatten + Linear (Graph Neural Networks in Action, 7.8)
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    return ConvNet()
+
+
+# --------------------------------------------------------------------------- training
+@torch.no_grad()
+def evaluate(model, images, labels, rank, world_size):
+    """Loss and accuracy over the whole test set: each rank scores every world_size-th image."""
+    model.eval()
+    images, labels = images[rank::world_size], labels[rank::world_size]  # disjoint shards
+    # On the GPU, and no .item() per batch: each would wait for the GPU. NCCL reduces GPU tensors.
+    totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, count
+    for x, y in zip(images.split(1000), labels.split(1000)):
+        logits = model(x).float()
+        totals[0] += F.cross_entropy(logits, y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)
+    # SUM the sums and counts over ranks, then divide once: the shards may differ in size, so an
+    # average of the ranks' averages would be slightly off.
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    model.train()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def train(rank, local_rank, world_size, args):
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
+    if args.deterministic:  # GPU kernels that give the same bits every run (CPU ones already do)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first use
+        torch.use_deterministic_algorithms(True)  # cuDNN too; an op without such a kernel raises
+    # MNIST (200 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
+    # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
+    # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
+    # x.to(device, non_blocking=True), so that the copy overlaps with the GPU's work.
+    train_images, train_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, True))
+    test_images, test_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, False))
+
+    # 2. Instantiate the model on this rank's GPU, then wrap it; device_ids names that one GPU.
+    #    The same seed gives every rank the same start (DDP also broadcasts rank 0's weights);
+    #    a per-rank seed afterwards decorrelates dropout.
+    torch.manual_seed(args.seed)
+    model = build_model(args.model).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    torch.manual_seed(args.seed + rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
+    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler.
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
+    # Resume: rank 0 reads the last snapshot, if there is one, and sends it to every rank, so
+    # that all continue from the same state (whatever each machine's disk holds). Everything that
+    # the next epoch depends on is in it: weights, optimizer (momentum), scaler, each rank's random
+    # state (dropout), the epochs done and their metrics.
+    snapshot = load_snapshot(args, rank, device)
+    history, steps, first_epoch = [], 0, 1
+    if snapshot:
+        model.module.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        scaler.load_state_dict(snapshot["scaler"])
+        history, steps, first_epoch = snapshot["history"], snapshot["steps"], snapshot["epoch"] + 1
+        if snapshot["world_size"] == world_size:  # the same ranks: each resumes its own random stream
+            torch.set_rng_state(snapshot["rng"][rank]["cpu"])
+            if device.type == "cuda" and snapshot["rng"][rank]["cuda"] is not None:
+                torch.cuda.set_rng_state(snapshot["rng"][rank]["cuda"], device)
+        log(f"resuming from {args.snapshot}: epoch {snapshot['epoch']} done, {steps} steps"
+            + ("" if snapshot["world_size"] == world_size else
+               f" (taken with {snapshot['world_size']} processes; now {world_size}: the global "
+               f"batch is now {args.batch_size * world_size}, and dropout draws anew)"), flush=True)
+
+    # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
+    #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
+    train_set = TensorDataset(train_images, train_labels)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=not args.no_shuffle, seed=args.seed)
+    batches = BatchSampler(sampler, batch_size=args.batch_size, drop_last=False)  # index lists
+
+    log(f"training {args.model} on {args.dataset}: {world_size} processes on "
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
+        f"({args.backend}, amp {args.amp}), batch {args.batch_size} per process "
+        f"({args.batch_size * world_size} in all)", flush=True)
+    start = time.perf_counter()
+    for epoch in range(first_epoch, args.epochs + 1):
+        if args.max_steps is not None and steps >= args.max_steps:  # the snapshot may be past it
+            break
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        epoch_start = time.perf_counter()
+        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
+        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
+                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        for step_in_epoch, indices in enumerate(bar):
+            if (epoch == args.crash_in_epoch and epoch > first_epoch and rank == world_size - 1
+                    and step_in_epoch == len(batches) // 2):
+                crash(rank, epoch)  # for the lesson; only in an attempt that began before this epoch
+            index = torch.tensor(indices, device=device)
+            x, y = train_images[index], train_labels[index]
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()  # 4. DDP all-reduces (averages) the gradients here
+            scaler.step(optimizer)  # ... so every rank takes the same step and the replicas stay equal
+            scaler.update()
+            loss_sum += loss.detach() * len(y)  # stays on the GPU: no synchronisation per step
+            seen += len(y)
+            steps += 1
+            if steps == args.max_steps:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
+        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+
+        # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
+        #    model.module is used because evaluation needs no gradient synchronisation.
+        test_loss, test_accuracy = evaluate(model.module, test_images, test_labels, rank, world_size)
+        train_totals = torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=device)])
+        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
+        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
+        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
+                        "test_accuracy": test_accuracy, "seconds": seconds,
+                        "images_per_second": seen_all / seconds, "steps": steps})
+        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
+            flush=True)
+        # Snapshot after each whole epoch (one cut short by --max-steps is not one): the first rank
+        # of every machine writes it, so that a rank 0 restarted on another machine finds it there.
+        if step_in_epoch == len(batches) - 1:
+            save_snapshot(args, epoch, steps, model, optimizer, scaler, history, device)
+        # 6. Optional: a barrier, so that no rank starts the next epoch before all have finished
+        #    this one. DDP does not need it (every backward and the all_reduce above already wait
+        #    for all ranks); it keeps the ranks' per-epoch timings and prints in step. NCCL's
+        #    barrier is a tiny all-reduce on a GPU: name this rank's, or torch guesses the device.
+        dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
+
+    # 7. Print and save on rank 0 only; model.module holds plain (non-DDP) parameter names.
+    if rank == 0:
+        if first_epoch > len(history):  # the snapshot had already reached --epochs or --max-steps
+            log(f"nothing left to train: the snapshot has {len(history)} epochs, {steps} steps "
+                f"(raise --epochs or --max-steps, or delete {args.snapshot} to start afresh)", flush=True)
+        last = history[-1]
+        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
+              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
+              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
+        if args.save:
+            torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as f:
+                json.dump({"world_size": world_size, "model": args.model, "dataset": args.dataset,
+                           "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
+                           "device": args.device, "backend": args.backend, "amp": args.amp,
+                           "resumed_after_epoch": first_epoch - 1, "epochs": history}, f, indent=2)
+
+
+# What must not change between the run that took a snapshot and the one that resumes from it.
+SNAPSHOT_MUST_MATCH = ("model", "dataset", "batch_size", "seed", "no_shuffle", "amp")
+
+
+def read_snapshot(args):
+    """The snapshot at args.snapshot, None if there is none; refuses one that this run cannot
+    continue (another model, batch size, ...: the run would no longer be the one interrupted)."""
+    if not os.path.exists(args.snapshot):
+        return None
+    try:
+        snapshot = torch.load(args.snapshot, map_location="cpu", weights_only=True)
+        taken_with = snapshot["args"]
+    except Exception as err:  # a truncated file, or not a snapshot of this script
+        raise UsageError(f"cannot resume from {args.snapshot}: not a snapshot that this script can read "
+                         f"({type(err).__name__}); delete it to start afresh") from None
+    changed = [flag(key, taken_with[key]) for key in SNAPSHOT_MUST_MATCH
+               if taken_with[key] != getattr(args, key) and not (key == "dataset" and args.dataset == "auto")]
+    if changed:
+        raise UsageError(f"{args.snapshot} was taken with {', '.join(changed)}: run with the same, "
+                         f"or delete it to start afresh")
+    return snapshot
+
+
+def load_snapshot(args, rank, device):
+    """Rank 0 reads the snapshot, if any, and broadcasts it; every rank returns it (or None). A
+    snapshot that cannot be used stops every rank, with rank 0's one line."""
+    message = [None, None]  # (snapshot, problem)
+    if rank == 0:
+        try:
+            message[0] = read_snapshot(args)
+        except UsageError as err:
+            message[1] = str(err)
+    # Objects go through the process group (NCCL: pickled into a byte tensor on this rank's GPU).
+    dist.broadcast_object_list(message, src=0, device=device)
+    if message[1]:
+        raise UsageError(message[1])
+    return message[0]
+
+
+def flag(key, value):
+    """How a setting reads on the command line: --batch-size 64, --no-shuffle, no --no-shuffle."""
+    name = "--" + key.replace("_", "-")
+    return (name if value else f"no {name}") if isinstance(value, bool) else f"{name} {value}"
+
+
+def save_snapshot(args, epoch, steps, model, optimizer, scaler, history, device):
+    """Every rank hands in its random state; the first rank of each machine writes the snapshot
+    atomically (a crash while writing leaves the previous one intact)."""
+    rng = {"cpu": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    every_rng = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rng, rng)  # a collective: every rank must call save_snapshot
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) != 0:
+        return
+    snapshot = {"epoch": epoch, "steps": steps, "world_size": dist.get_world_size(),
+                "args": {key: getattr(args, key) for key in SNAPSHOT_MUST_MATCH},
+                "model": {k: v.cpu() for k, v in model.module.state_dict().items()},
+                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                "rng": every_rng, "history": history}
+    partial = f"{args.snapshot}.{socket.gethostname()}.{os.getpid()}.part"  # machines may share a disk
+    try:
+        torch.save(snapshot, partial)
+        os.replace(partial, args.snapshot)
+    except BaseException:  # a full disk, Ctrl-C: leave no half-written file behind
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
+
+
+def crash(rank, epoch):
+    """--crash-in-epoch: this rank dies as if the machine had lost it (no exception, no clean-up)."""
+    print(f"rank {rank}: simulated crash in the middle of epoch {epoch} (--crash-in-epoch)",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker(rank, world_size, args):
+    """What each process runs, whether spawned by main() or started by torchrun."""
+    # One GPU per process: local_rank numbers the processes on this machine (rank counts all
+    # machines). Select the GPU before anything touches CUDA, or every rank piles onto GPU 0.
+    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
+    #    or by torchrun); NCCL is the backend for GPUs (Gloo for CPUs). The timeout bounds every
+    #    collective, so a rank that dies or stalls turns into an error instead of a hang.
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
+            args.dataset = prepare_data(args.dataset, args.data_dir)
+        train(rank, local_rank, world_size, args)
+    finally:
+        dist.destroy_process_group()  # 8. tear down, even after an error
+
+
+# --------------------------------------------------------------------------- launching
+def free_port():
+    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def check_device(args):
+    """Refuse, before any process starts, what cannot work; say what to do instead."""
+    if args.device == "cpu":
+        if args.backend == "nccl":
+            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
+        if args.amp == "fp16":
+            raise UsageError("--amp fp16 needs a GPU: use --amp bf16 (or off) with --device cpu")
+        return
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
+                         "to run on CPU instead: --backend gloo --device cpu")
+    if args.backend == "nccl" and not dist.is_nccl_available():
+        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
+                         "or use --backend gloo")
+    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+                         f"compute capability 8.0, Ampere): use --amp fp16")
+    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
+    if procs > gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
+                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+
+
+def check_setup(args, rank):
+    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    check_device(args)
+    if rank == 0:  # only rank 0 writes them (on its own machine), and reads the snapshot
+        check_writable(args.save, args.metrics_json)
+        read_snapshot(args)
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # the first rank of each machine snapshots
+        check_writable(args.snapshot)
+
+
+def main(args):
+    if "RANK" in os.environ:
+        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
+        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        check_setup(args, rank)
+        worker(rank, world_size, args)
+        return
+    # Started by hand: check, and prepare the data, once, here, before any worker exists; then
+    # start --nprocs copies of this file. Each re-imports it (hence the __main__ guard) and runs
+    # worker(rank, nprocs, args).
+    check_setup(args, rank=0)
+    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    if args.nprocs > cpu_cores() and not args.quiet:
+        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
+              f"expect it slower than fewer processes", flush=True)
+    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+
+
+# --------------------------------------------------------------------------- command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
+    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
+                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64)
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--nprocs", type=positive(int), default=None,
+                   help="processes to spawn (default: one per visible GPU, 2 on CPU; "
+                        "ignored under torchrun, which sets WORLD_SIZE)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with --device cuda, gloo with --device cpu")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="mixed precision (fp16 with a gradient scaler)")
+    p.add_argument("--snapshot", type=str, default="snapshot.pt",
+                   help="written after every epoch; resumed from when it exists")
+    p.add_argument("--crash-in-epoch", type=positive(int), default=None,
+                   help="for the lesson: the last rank dies halfway through this epoch (2 or "
+                        "more), once; a restart or a rerun resumes from the snapshot")
+    p.add_argument("--deterministic", action="store_true",
+                   help="reproducible GPU kernels (slower): without it, two identical GPU runs "
+                        "differ, and so do a resumed run and an uninterrupted one")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--timeout", type=positive(int), default=300,
+                   help="seconds any collective may wait for the other ranks before failing")
+    args = p.parse_args(argv)
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.nprocs is None:
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        args.nprocs = gpus or 2
+    if args.threads_per_proc is None:
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
+        args.threads_per_proc = max(1, cpu_cores() // procs)
+    if args.crash_in_epoch is not None and not 2 <= args.crash_in_epoch <= args.epochs:
+        p.error(f"--crash-in-epoch must be between 2 and --epochs ({args.epochs}): a crash in epoch 1 "
+                f"leaves no snapshot to resume from")
+    return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
+
+
+if __name__ == "__main__":
+    main(parse_args())
