@@ -2,13 +2,13 @@
 
     python gcn_ddp.py --nprocs 2 --device cpu                 # Gloo on CPU cores
     python gcn_ddp.py --amp bf16                              # NCCL, one process per visible GPU
-    python gcn_ddp.py --nprocs 1 --device cpu                 # the single-process baseline
     torchrun --nproc-per-node 2 gcn_ddp.py --device cpu       # or let torchrun launch them
     python gcn_ddp.py --dataset ogbn-products --eval-nodes 50000   # a real graph (1.4 GB download)
 
 Self-contained: copy it anywhere, it needs torch and torch_geometric, with pyg-lib or
 torch-sparse for the neighbour sampler (tqdm optional; ogb for ogbn-products, scipy for
-AmazonProducts). Compare it with mnist_ddp_gpu.py (above the "hardening" fence).
+AmazonProducts). Compare it with gcn_single.py: the diff is what DDP changes for a GNN (above the
+"hardening" fence).
 """
 import argparse
 import json
@@ -48,7 +48,7 @@ SAMPLER_HELP = ("NeighborLoader needs pyg-lib or torch-sparse: pip install torch
                 "pip install --no-build-isolation torch-scatter torch-sparse)")
 
 
-# Quiet two library warnings that every rank would print: PyG's, that torch-sparse's sampler is
+# Quiet two library warnings that every process would print: PyG's, that torch-sparse's sampler is
 # deprecated in favour of pyg-lib (both work), and torch's, about torch.jit.script in torch-sparse.
 warnings.filterwarnings("ignore", message=".*without a 'pyg-lib' installation")
 warnings.filterwarnings("ignore", message=".*torch.jit.script. is deprecated")
@@ -96,7 +96,7 @@ def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
     return data, split, "accuracy"
 
 
-# Where PyG and ogb keep each real graph once processed (mapped_copy saves its copy beside it).
+# Where PyG and ogb keep each real graph once processed.
 PROCESSED = {"ogbn-products": os.path.join("ogbn_products", "processed", "geometric_data_processed.pt"),
              "amazon-products": os.path.join("AmazonProducts", "processed", "data.pt")}
 
@@ -211,15 +211,11 @@ def mapped_copy(load, data_dir, processed):
             and os.path.getmtime(path) >= os.path.getmtime(processed)):  # none saved since processing
         data, split, metric = load(data_dir)
         sort_edges(data)
-        part = f"{path}.{socket.gethostname()}.{os.getpid()}.part"
+        graph = {"x": data.x, "edge_index": data.edge_index, "y": data.y, "num_nodes": data.num_nodes,
+                 "split": split, "metric": metric}
         try:
-            with open(part, "wb") as f:  # (a Python file: failures are OSErrors with a reason)
-                torch.save({"x": data.x, "edge_index": data.edge_index, "y": data.y,
-                            "num_nodes": data.num_nodes, "split": split, "metric": metric}, f)
-            os.replace(part, path)  # atomic: no rank ever maps half a file
+            save_whole(graph, path)  # plain: torch.save(graph, path)
         except OSError as err:  # e.g. a read-only dataset folder: this rank keeps its own copy
-            if os.path.isfile(part):
-                os.remove(part)
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:
                 print(f"note: cannot save {path} ({err.strerror}): each rank holds its own copy of "
                       f"the graph", flush=True)
@@ -230,22 +226,21 @@ def mapped_copy(load, data_dir, processed):
 
 
 def sort_edges(data):
-    """Sort the edges by target once, so that each rank's sampler reads them in place (CSC)
-    instead of building its own sorted copy."""
+    """Sort the edges by target once, so that the sampler reads them in place (CSC) instead of
+    building its own sorted copy."""
     from torch_geometric.utils import sort_edge_index
 
     data.edge_index = sort_edge_index(data.edge_index, num_nodes=data.num_nodes, sort_by_row=False)
     return data
 
 
-def prepare_graph(data):
+def prepare_graph(data, split):
     """mp.spawn: sort the edges once, and put every tensor in shared memory: the spawned ranks then
     map the launcher's single copy instead of holding one each."""
     sort_edges(data)
-    for key, value in data:
+    for value in [*data.to_dict().values(), *split.values()]:
         if torch.is_tensor(value):
             value.share_memory_()
-    return data
 
 
 def rank_chunk(train_idx, epoch, rank, world_size, seed, shuffle=True):
@@ -323,7 +318,7 @@ def evaluate(model, data, sampler, idx, args, device, rank, world_size):
 
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # Batches as big as in training: bigger ones would raise each rank's peak memory.
+    # Batches as big as in training: bigger ones would raise the peak memory.
     loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
                             batch_size=args.batch_size, neighbor_sampler=sampler,
                             **sampling_workers(args.num_workers))  # plain: num_workers=args.num_workers)
@@ -413,33 +408,31 @@ def train(rank, local_rank, world_size, data, split, metric, args):
                         "seed_nodes": int(totals[1]), "steps": steps})
         log(f"epoch {epoch}: train loss {train_loss:.4f}  val {metric} {val:.2%}  test {metric} "
             f"{test:.2%}  {seconds:.1f} s  {totals[2].item() / seconds:,.0f} sampled nodes/s", flush=True)
-        # 6. Everyone has finished this epoch before anyone starts the next. NCCL's barrier is a
-        #    tiny all-reduce on a GPU: name this rank's, or torch guesses from the current device.
+        # 6. Optional: a barrier keeps the ranks' epochs in step (NCCL's: on this rank's GPU).
         dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
             break
 
-    # 7. Print and save on rank 0 only.
-    if rank == 0:
-        last = history[-1]
-        print(f"done: GCN on {args.dataset}, {world_size} process(es), {steps} steps, test {metric} "
-              f"{last['test_metric']:.2%}, {last['sampled_nodes_per_second']:,.0f} sampled nodes/s, "
-              f"{time.perf_counter() - start:.1f} s in all", flush=True)
-        if args.save:
-            torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as f:
-                json.dump({"world_size": world_size, "model": "gcn", "dataset": args.dataset,
-                           "metric": metric, "batch_size": args.batch_size,
-                           "threads_per_proc": args.threads_per_proc, "device": args.device,
-                           "backend": args.backend, "amp": args.amp, "num_workers": args.num_workers,
-                           "epochs": history}, f, indent=2)
+    if rank != 0:  # 7. Print and save on rank 0 only.
+        return
+    last = history[-1]
+    print(f"done: GCN on {args.dataset}, {world_size} process(es), {steps} steps, test {metric} "
+          f"{last['test_metric']:.2%}, {last['sampled_nodes_per_second']:,.0f} sampled nodes/s, "
+          f"{time.perf_counter() - start:.1f} s in all", flush=True)
+    if args.save:
+        torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as f:
+            json.dump({"world_size": world_size, "model": "gcn", "dataset": args.dataset,
+                       "metric": metric, "batch_size": args.batch_size,
+                       "threads_per_proc": args.threads_per_proc, "device": args.device,
+                       "backend": args.backend, "amp": args.amp, "num_workers": args.num_workers,
+                       "epochs": history}, f, indent=2)
 
 
 # --------------------------------------------------------------------------- launching
 def worker(rank, world_size, args, graph=None):
-    """What each process runs, whether spawned by main() (graph passed in shared memory) or started
-    by torchrun (graph loaded here by every rank, in turns, a real one mapped from a shared file)."""
+    """What each process runs: with the graph from main(), in shared memory, or under torchrun."""
     local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -511,9 +504,7 @@ def main(args):
     os.environ["MASTER_PORT"] = master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
     data, split, metric = load_dataset(args)
     check_enough_seeds(split, args.nprocs)
-    prepare_graph(data)
-    for value in split.values():
-        value.share_memory_()
+    prepare_graph(data, split)
     spawn_workers(worker, args.nprocs, args, (data, split, metric))  # plain: mp.spawn(worker, args=(args.nprocs, args, (data, split, metric)), nprocs=args.nprocs)
 
 
@@ -554,7 +545,7 @@ def fan_outs(text):
 def worker_count(text):
     value = int(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"0 (sample in the rank itself) or more expected, got {text}")
+        raise argparse.ArgumentTypeError(f"0 (sample in the training process) or more expected, got {text}")
     return value
 
 
@@ -586,8 +577,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-nodes", type=positive(int), default=None,
                    help="score at most this many val and test nodes (a fixed random subset; default all)")
     p.add_argument("--num-workers", type=worker_count, default=None,
-                   help="sampling worker processes per rank (default: 0 on CPU; on GPUs, the rank's "
-                        "share of the cores less one, at most 4)")
+                   help="sampling worker processes per process (default: 0 on CPU; on a GPU, the "
+                        "process's share of the cores less one, at most 4)")
     p.add_argument("--nprocs", type=positive(int), default=None,
                    help="processes to spawn (default: one per visible GPU, 2 on CPU)")
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
@@ -870,6 +861,20 @@ def run_main(argv=None):
 
 
 # --------------------------------------------------------------------- hardening of lesson 4 only
+def save_whole(obj, path):
+    """torch.save(obj, path), but no reader ever sees half a file: written beside it under a name
+    of this host and process, then renamed; a failed write leaves nothing behind."""
+    part = f"{path}.{socket.gethostname()}.{os.getpid()}.part"
+    try:
+        with open(part, "wb") as f:  # (a Python file: failures are OSErrors with a reason)
+            torch.save(obj, f)
+        os.replace(part, path)  # atomic
+    except BaseException:
+        if os.path.isfile(part):
+            os.remove(part)
+        raise
+
+
 def die_with_parent(parent_pid, worker_id=None):
     """Run at the start of each sampling worker (a process the rank forks): on Linux, ask the
     kernel to kill this worker when its rank dies. Without it, a rank that crashes or is stopped

@@ -41,6 +41,23 @@ def test_two_ranks_learn_on_the_synthetic_graph(tmp_path):
     assert epochs[0]["seed_nodes"] == 2 * (3600 // 2)
 
 
+def test_one_rank_trains_exactly_as_the_single_process_script(tmp_path):
+    """gcn_single.py is lesson 4's baseline: one DDP rank takes exactly its steps, dropout and
+    sampling included (the same seeds, the same random streams)."""
+    flags = [*CPU, *SMALL, "--max-steps", 6, "--eval-nodes", 500, "--quiet"]
+    weights, metrics = [], []
+    for script, extra in (("gcn_single.py", []), ("gcn_ddp.py", ["--nprocs", 1])):
+        out = tmp_path / f"{script}.pt"
+        r = run_script(script, *flags, *extra, "--save", out, "--metrics-json", tmp_path / f"{script}.json")
+        assert r.returncode == 0, r.stderr
+        weights.append(torch.load(out))
+        metrics.append(read_metrics(tmp_path / f"{script}.json")["epochs"][-1])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert metrics[0]["train_loss"] == metrics[1]["train_loss"] and metrics[0]["steps"] == 6
+    assert metrics[0]["test_metric"] > 1 / 16  # it learns: 16 classes, chance is 1/16
+
+
 def test_three_ranks_with_a_node_count_that_does_not_divide(tmp_path):
     out = tmp_path / "m.json"
     # 5003 nodes: 3001 training seeds, not a multiple of 3, nor of the batch size
@@ -81,7 +98,7 @@ def test_ddp_takes_the_steps_of_one_process_averaging_the_ranks_batches(tmp_path
     ddp = torch.load(tmp_path / "ddp.pt")
     args = gcn.parse_args([str(f) for f in flags])
     data, split, _ = gcn.load_dataset(args)
-    gcn.prepare_graph(data)
+    gcn.prepare_graph(data, split)
 
     def max_diff(weights):
         assert weights.keys() == ddp.keys()
@@ -179,8 +196,9 @@ def test_sampling_workers_by_default(monkeypatch, device, cores, nprocs, workers
 @pytest.mark.parametrize("rate", ["1", "-0.1", "half"])
 def test_dropout_must_be_a_probability(rate, capsys, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        gcn.parse_args(["--dropout", rate])
+        gcn.run_main(["--dropout", rate])
     message = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--dropout" in message and message.count("\n") == 1
 
@@ -316,7 +334,8 @@ def test_under_torchrun_a_real_graph_is_mapped_from_one_sorted_file(tmp_path, mo
     pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
     write_ogbn_products_raw(tmp_path)
     args = gcn.parse_args(["--dataset", "ogbn-products", "--data-dir", str(tmp_path)])
-    reference = gcn.prepare_graph(gcn.ogbn_products(str(tmp_path))[0])  # what mp.spawn's ranks get
+    reference, reference_split, _ = gcn.ogbn_products(str(tmp_path))
+    gcn.prepare_graph(reference, reference_split)  # what mp.spawn's ranks get
     saved = tmp_path / "ogbn_products" / "processed" / "sorted_for_ddp.pt"
     data, split, metric = gcn.load_dataset(args, mapped=True)
     assert saved.exists() and metric == "accuracy" and len(split["train"]) == 360

@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import REPO, SCRIPTS, load_script, run_script, torchrun
 from test_equivalence import max_abs_diff
-from test_scripts_in_sync import PAIRS
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_minimal  # noqa: E402
@@ -24,6 +23,10 @@ IDS = [p.name for p in DDP_SCRIPTS]
 LESSON_2_ADDS_AT_MOST = 130
 LESSON_2_PART_AT_MOST = 380
 NEIGHBOUR_ADDS_AT_MOST = 180
+# Each lesson and the one a learner diffs it against (its docstring says which).
+NEIGHBOURS = [("mnist_ddp_cpu.py", "mnist_ddp_gpu.py"), ("gcn_single.py", "gcn_ddp.py"),
+              ("mnist_ddp_gpu.py", "mnist_ddp_resume.py"), ("mnist_ddp_gpu.py", "mnist_ddp_comm.py"),
+              ("mnist_ddp_cpu.py", "mnist_ddp_debug.py")]
 # What a lesson teaches stays above the fence, where the learner reads it.
 TAUGHT = {"mnist_ddp_gpu.py": {"check_device"},
           "mnist_ddp_resume.py": {"read_snapshot", "load_snapshot", "save_snapshot", "crash"},
@@ -75,7 +78,13 @@ def test_lesson_2_adds_little_to_lesson_1():
     assert len(cpu) <= LESSON_2_PART_AT_MOST
 
 
-@pytest.mark.parametrize("earlier, script", [pair[:2] for pair in PAIRS[1:]], ids=[p[1] for p in PAIRS[1:]])
+def test_every_ddp_script_has_its_neighbour():
+    assert {script for _, script in NEIGHBOURS} | {"mnist_ddp_cpu.py"} == set(IDS)
+    for earlier, script in NEIGHBOURS:
+        assert f"Compare it with {earlier}" in (SCRIPTS / script).read_text()
+
+
+@pytest.mark.parametrize("earlier, script", NEIGHBOURS, ids=[pair[1] for pair in NEIGHBOURS])
 def test_each_lesson_part_adds_little_to_its_neighbour(earlier, script):
     assert added_lines(lesson(earlier), lesson(script)) <= NEIGHBOUR_ADDS_AT_MOST
 

@@ -28,7 +28,7 @@ STEPS = [
     (4.8, "forward on own batch,\nloss, backward()", "all-reduce: gradients averaged during backward"),
     (3.7, "optimizer.step()\n(identical update on every rank)", None),
     (2.6, "evaluate own test shard", "all_reduce(SUM): loss, correct, count"),
-    (1.5, "dist.barrier()", "barrier: nobody starts the next epoch early"),
+    (1.5, "dist.barrier()   (optional)", "barrier, optional: nobody starts the next epoch early"),
     (0.4, "destroy_process_group()", None),
 ]
 
