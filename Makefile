@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 WHEELS := ../shared/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
-.PHONY: setup demo test notebooks bench gpu-check kaggle figures clean
+.PHONY: setup demo test test-quick notebooks bench gpu-check kaggle minimal figures clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-graph.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ demo: setup  ## the main job: 2-process CPU DDP training of the ConvNet, one epo
 test: setup  ## the whole test suite (what .ci/run runs)
 	$(PY) -m pytest
 
+test-quick: setup  ## the test suite without the notebook runs (for development)
+	$(PY) -m pytest -m "not slow"
+
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
 	$(PY) tools/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
@@ -42,7 +45,11 @@ gpu-check: setup  ## lessons 3 and 4 on the GPUs present: 1 and 2 GPUs, amp off/
 kaggle: setup  ## regenerate kaggle/ddp_t4x2.ipynb from ddp_scripts/ (a test fails when it is stale)
 	$(PY) tools/build_kaggle_notebook.py
 
+minimal: setup  ## rewrite ddp_scripts/minimal/ from the DDP scripts (a test fails when it is stale)
+	$(PY) tools/make_minimal.py --sync-hardening
+
 figures: setup  ## redraw the figures that do not need a benchmark run
+	$(PY) tools/draw_data_flow.py
 	$(PY) tools/draw_ddp_diagram.py
 	$(PY) tools/draw_sampled_batch.py
 

@@ -7,6 +7,10 @@ DDP script and may go on, after a marker line (`# ---` ... `hardening`), with wh
 needs. The file ends with its `if __name__ == "__main__":` block. A lesson line that calls into the
 hardening ends with `# plain: <code>`: the minimal form has <code> there instead (`# plain: nothing`:
 the line is dropped). Imports that the minimal form no longer uses are dropped too.
+
+    python tools/make_minimal.py                    # write ddp_scripts/minimal/ (make minimal)
+    python tools/make_minimal.py --check            # only say whether it is current
+    python tools/make_minimal.py --sync-hardening   # copy mnist_ddp_cpu.py's shared block to the others
 """
 import argparse
 import ast
@@ -102,7 +106,17 @@ def minimal_form(path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report stale files (exit code 1)")
+    parser.add_argument("--sync-hardening", action="store_true",
+                        help="first copy the shared hardening block of mnist_ddp_cpu.py (where it is "
+                             "edited) into every other DDP script")
     args = parser.parse_args()
+    if args.sync_hardening:
+        shared = split(SCRIPTS / "mnist_ddp_cpu.py")[1]
+        for path in ddp_scripts():
+            lesson, old, extra, guard = split(path)
+            if old != shared:
+                path.write_text(lesson + shared + extra + guard)
+                print(f"copied the shared hardening into {path.relative_to(REPO)}")
     stale = []
     for path in ddp_scripts():
         target = MINIMAL / path.name
