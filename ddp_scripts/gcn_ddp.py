@@ -311,17 +311,23 @@ def metric_value(totals, multi_label):
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def neighbor_loader(data, nodes, sampler, args):
+    """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
+    pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
+    from torch_geometric.loader import NeighborLoader
+
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes, batch_size=args.batch_size,
+                          neighbor_sampler=sampler, pin_memory=args.device == "cuda",
+                          **sampling_workers(args.num_workers))  # plain: num_workers=args.num_workers)
+
+
 @torch.no_grad()
 def evaluate(model, data, sampler, idx, args, device, rank, world_size):
     """Metric over idx: each rank scores every world_size-th node, the sums are all-reduced."""
-    from torch_geometric.loader import NeighborLoader
-
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     # Batches as big as in training: bigger ones would raise the peak memory.
-    loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
-                            batch_size=args.batch_size, neighbor_sampler=sampler,
-                            **sampling_workers(args.num_workers))  # plain: num_workers=args.num_workers)
+    loader = neighbor_loader(data, idx[rank::world_size], sampler, args)
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
@@ -332,7 +338,6 @@ def evaluate(model, data, sampler, idx, args, device, rank, world_size):
 
 
 def train(rank, local_rank, world_size, data, split, metric, args):
-    from torch_geometric.loader import NeighborLoader
     from torch_geometric.sampler import NeighborSampler
 
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
@@ -366,9 +371,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
     history, steps, start = [], 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         chunk = rank_chunk(split["train"], epoch, rank, world_size, args.seed, not args.no_shuffle)
-        loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=chunk,
-                                batch_size=args.batch_size, neighbor_sampler=sampler,
-                                **sampling_workers(args.num_workers))  # plain: num_workers=args.num_workers)
+        loader = neighbor_loader(data, chunk, sampler, args)
         epoch_start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         seeds, sampled = 0, 0
@@ -454,8 +457,9 @@ def worker(rank, world_size, args, graph=None):
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
 
-def check_device(args):
-    """Refuse, before any process starts, what cannot work; say what to do instead."""
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
     check_sampler()
     if len(args.num_neighbors) != 2:
         raise UsageError(f"the GCN has 2 layers, so --num-neighbors takes 2 fan-outs (one per hop), "
@@ -472,8 +476,8 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
                          f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
@@ -483,7 +487,7 @@ def check_device(args):
 
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args)
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 
@@ -504,6 +508,7 @@ def main(args):
     os.environ["MASTER_PORT"] = master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
     data, split, metric = load_dataset(args)
     check_enough_seeds(split, args.nprocs)
+    check_shared_memory(data, split)  # plain: nothing
     prepare_graph(data, split)
     spawn_workers(worker, args.nprocs, args, (data, split, metric))  # plain: mp.spawn(worker, args=(args.nprocs, args, (data, split, metric)), nprocs=args.nprocs)
 
@@ -650,14 +655,66 @@ def master_port():
 
 
 def attempt_store(timeout):
-    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
+    """torchrun restarts the ranks (--max-restarts) in the store where the previous round's ranks
     wrote their addresses, and a rank that reads one of those connects to a process that is gone
-    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
+    (pytorch/pytorch#135712). Each rendezvous round gets keys of its own; None (not torchrun, or
+    no store shared by the agents): init_process_group's own store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    store, token = this_round(timeout)
+    return dist.PrefixStore(f"round-{token}/", store)
+
+
+_ROUND = []  # (agent's store, this round's token), once per process
+
+
+def this_round(timeout):
+    """torchrun: a client of the agents' store, and a token that every rank of this rendezvous round
+    gets, and no rank of another round. Not TORCHELASTIC_RESTART_COUNT: each torchrun agent counts
+    its own restarts, and one whose ranks were restarted because another machine failed does not
+    count it (pytorch/pytorch#108158), so the ranks of one round can hold different counts, and
+    the ranks of two rounds the same. Rank 0 draws the token; every other rank keeps writing fresh
+    numbers under its own key until rank 0 has seen one change (a rank of an earlier round wrote
+    its last number long ago, and is gone) and answered it with the token."""
+    if _ROUND:
+        return _ROUND[0]
+    import uuid
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    prefix, deadline = f"round/{os.environ.get('TORCHELASTIC_RUN_ID')}/", time.monotonic() + timeout
+
+    def read(key):
+        return store.get(key) if store.check([key]) else None
+
+    if rank == 0:
+        token = uuid.uuid4().hex
+        earlier = {r: read(f"{prefix}hello/{r}") for r in range(1, world_size)}
+        while earlier:
+            for r, before in list(earlier.items()):
+                now = read(f"{prefix}hello/{r}")
+                if now is not None and now != before:  # written by a live rank of this round
+                    store.set(f"{prefix}answer/{r}", now + b" " + token.encode())
+                    del earlier[r]
+            if earlier and time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {sorted(earlier)} did not report within {timeout} s")
+            time.sleep(0.05)
+    else:
+        mine = set()
+        while True:
+            number = uuid.uuid4().hex.encode()
+            mine.add(number)
+            store.set(f"{prefix}hello/{rank}", number)
+            time.sleep(0.05)
+            answer = read(f"{prefix}answer/{rank}")
+            if answer and answer.split(b" ")[0] in mine:
+                token = answer.split(b" ")[1].decode()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 did not answer within {timeout} s")
+    _ROUND.append((store, token))
+    return _ROUND[0]
 
 
 def roll_call(check, args, rank, world_size, timeout=None):
@@ -677,13 +734,10 @@ def roll_call(check, args, rank, world_size, timeout=None):
             say(problem)
             sys.exit(1)
         return
-    # Keys of this run, attempt (torchrun --max-restarts starts the ranks again) and world size.
-    prefix = "roll-call/{}/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
-                                          os.environ.get("TORCHELASTIC_RESTART_COUNT"), world_size)
-    keys = [f"{prefix}{r}" for r in range(world_size)]
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=timeout))
+        store, token = this_round(timeout)  # keys of this rendezvous round only
+        prefix = f"roll-call/{token}/"
+        keys = [f"{prefix}{r}" for r in range(world_size)]
         store.set(keys[rank], problem)
         store.wait(keys)  # every rank has reported
         problems = [p for p in (store.get(key).decode() for key in keys) if p]
@@ -810,6 +864,20 @@ def spawn_workers(worker, nprocs, *worker_args):
             from None
 
 
+def die_with_parent(parent_pid, worker_id=None):
+    """On Linux, ask the kernel to kill this process when its parent dies: a rank when its torchrun
+    agent dies (else the rank, in a session of its own, trains on, and the other machines' agents
+    wait for it), a sampling worker when its rank dies (else it stays, holding the job's output and
+    the shared graph). worker_id: DataLoader's argument to its worker_init_fn."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before that took effect
+            os._exit(1)
+
+
 def say(problem):
     print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr, flush=True)
 
@@ -836,6 +904,8 @@ def run_main(argv=None):
     machine stops every machine), an error found by a check or by the workers (1), Ctrl-C or
     SIGTERM (130)."""
     rank = int(os.environ.get("RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank that torchrun's agent started: end with it
+        die_with_parent(os.getppid())
     try:
         args = parse_args(argv)
     except UsageError as err:
@@ -854,6 +924,17 @@ def run_main(argv=None):
             said_once(err, rank)
         say(err)
         sys.exit(1)
+    except RuntimeError as err:  # torch's DistError too
+        import re
+
+        lost = re.search(r"Connection (?:closed|reset) by peer[^.]*|Broken pipe", str(err))
+        if not lost or "RANK" not in os.environ:  # a bug: its traceback; mp.spawn's launcher reports
+            raise
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
+            say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
+                f"machine of this job has gone; the first error in each machine's output says which")
+            sys.exit(1)
+        exit_after_the_speaker()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped
         if rank == 0:  # under torchrun, one line from rank 0
             print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)
@@ -875,17 +956,20 @@ def save_whole(obj, path):
         raise
 
 
-def die_with_parent(parent_pid, worker_id=None):
-    """Run at the start of each sampling worker (a process the rank forks): on Linux, ask the
-    kernel to kill this worker when its rank dies. Without it, a rank that crashes or is stopped
-    leaves its workers behind, blocked, holding the job's output pipes and the shared graph."""
-    import ctypes
-    import signal
-
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # the rank died before that took effect
-            os._exit(1)
+def check_shared_memory(data, split, folder="/dev/shm"):
+    """mp.spawn's ranks share the graph through shared memory, which is /dev/shm on Linux, and a
+    container may have made it small (Docker's default: 64 MB). Refuse a graph that does not fit,
+    in one line, rather than let the ranks die of a bus error when they touch its pages."""
+    if not os.path.isdir(folder):
+        return
+    need = sum(t.numel() * t.element_size() for t in [*data.to_dict().values(), *split.values()]
+               if torch.is_tensor(t))
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise UsageError(f"the graph needs {need / 2**20:,.0f} MiB of shared memory and {folder} has "
+                         f"{free / 2**20:,.0f} MiB free: give it more (docker run --shm-size=4g, or "
+                         f"a larger tmpfs), or launch with torchrun, whose ranks map the graph from a "
+                         f"file on disk instead")
 
 
 def sampling_workers(num_workers):

@@ -246,17 +246,23 @@ def metric_value(totals, multi_label):
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def neighbor_loader(data, nodes, sampler, args):
+    """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
+    pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
+    from torch_geometric.loader import NeighborLoader
+
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes, batch_size=args.batch_size,
+                          neighbor_sampler=sampler, pin_memory=args.device == "cuda",
+                          num_workers=args.num_workers)
+
+
 @torch.no_grad()
 def evaluate(model, data, sampler, idx, args, device):
     """Metric over idx, from counts summed over the batches."""
-    from torch_geometric.loader import NeighborLoader
-
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     # Batches as big as in training: bigger ones would raise the peak memory.
-    loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx,
-                            batch_size=args.batch_size, neighbor_sampler=sampler,
-                            num_workers=args.num_workers)
+    loader = neighbor_loader(data, idx, sampler, args)
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
@@ -266,7 +272,6 @@ def evaluate(model, data, sampler, idx, args, device):
 
 
 def train(data, split, metric, args):
-    from torch_geometric.loader import NeighborLoader
     from torch_geometric.sampler import NeighborSampler
 
     torch.set_num_threads(args.threads_per_proc)
@@ -300,9 +305,7 @@ def train(data, split, metric, args):
         if not args.no_shuffle:
             shuffle = torch.Generator().manual_seed(args.seed + epoch)
             order = order[torch.randperm(len(order), generator=shuffle)]
-        loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=order,
-                                batch_size=args.batch_size, neighbor_sampler=sampler,
-                                num_workers=args.num_workers)
+        loader = neighbor_loader(data, order, sampler, args)
         epoch_start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         seeds, sampled = 0, 0
@@ -357,8 +360,9 @@ def train(data, split, metric, args):
 
 
 # --------------------------------------------------------------------------- launching
-def check_device(args):
-    """Refuse, before any process starts, what cannot work; say what to do instead."""
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
     check_sampler()
     if len(args.num_neighbors) != 2:
         raise UsageError(f"the GCN has 2 layers, so --num-neighbors takes 2 fan-outs (one per hop), "
@@ -370,8 +374,8 @@ def check_device(args):
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
                          "to run on CPU instead: --device cpu")
-    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
                          f"compute capability 8.0, Ampere): use --amp fp16")
 
 

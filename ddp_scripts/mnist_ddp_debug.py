@@ -504,14 +504,66 @@ def master_port():
 
 
 def attempt_store(timeout):
-    """torchrun restarts the ranks (--max-restarts) in the store where the previous attempt's ranks
+    """torchrun restarts the ranks (--max-restarts) in the store where the previous round's ranks
     wrote their addresses, and a rank that reads one of those connects to a process that is gone
-    (pytorch/pytorch#135712). Each attempt gets keys of its own; None: init_process_group's own."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun, or not shared
+    (pytorch/pytorch#135712). Each rendezvous round gets keys of its own; None (not torchrun, or
+    no store shared by the agents): init_process_group's own store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    store, token = this_round(timeout)
+    return dist.PrefixStore(f"round-{token}/", store)
+
+
+_ROUND = []  # (agent's store, this round's token), once per process
+
+
+def this_round(timeout):
+    """torchrun: a client of the agents' store, and a token that every rank of this rendezvous round
+    gets, and no rank of another round. Not TORCHELASTIC_RESTART_COUNT: each torchrun agent counts
+    its own restarts, and one whose ranks were restarted because another machine failed does not
+    count it (pytorch/pytorch#108158), so the ranks of one round can hold different counts, and
+    the ranks of two rounds the same. Rank 0 draws the token; every other rank keeps writing fresh
+    numbers under its own key until rank 0 has seen one change (a rank of an earlier round wrote
+    its last number long ago, and is gone) and answered it with the token."""
+    if _ROUND:
+        return _ROUND[0]
+    import uuid
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    prefix, deadline = f"round/{os.environ.get('TORCHELASTIC_RUN_ID')}/", time.monotonic() + timeout
+
+    def read(key):
+        return store.get(key) if store.check([key]) else None
+
+    if rank == 0:
+        token = uuid.uuid4().hex
+        earlier = {r: read(f"{prefix}hello/{r}") for r in range(1, world_size)}
+        while earlier:
+            for r, before in list(earlier.items()):
+                now = read(f"{prefix}hello/{r}")
+                if now is not None and now != before:  # written by a live rank of this round
+                    store.set(f"{prefix}answer/{r}", now + b" " + token.encode())
+                    del earlier[r]
+            if earlier and time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {sorted(earlier)} did not report within {timeout} s")
+            time.sleep(0.05)
+    else:
+        mine = set()
+        while True:
+            number = uuid.uuid4().hex.encode()
+            mine.add(number)
+            store.set(f"{prefix}hello/{rank}", number)
+            time.sleep(0.05)
+            answer = read(f"{prefix}answer/{rank}")
+            if answer and answer.split(b" ")[0] in mine:
+                token = answer.split(b" ")[1].decode()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 did not answer within {timeout} s")
+    _ROUND.append((store, token))
+    return _ROUND[0]
 
 
 def roll_call(check, args, rank, world_size, timeout=None):
@@ -531,13 +583,10 @@ def roll_call(check, args, rank, world_size, timeout=None):
             say(problem)
             sys.exit(1)
         return
-    # Keys of this run, attempt (torchrun --max-restarts starts the ranks again) and world size.
-    prefix = "roll-call/{}/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID"),
-                                          os.environ.get("TORCHELASTIC_RESTART_COUNT"), world_size)
-    keys = [f"{prefix}{r}" for r in range(world_size)]
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=timeout))
+        store, token = this_round(timeout)  # keys of this rendezvous round only
+        prefix = f"roll-call/{token}/"
+        keys = [f"{prefix}{r}" for r in range(world_size)]
         store.set(keys[rank], problem)
         store.wait(keys)  # every rank has reported
         problems = [p for p in (store.get(key).decode() for key in keys) if p]
@@ -664,6 +713,20 @@ def spawn_workers(worker, nprocs, *worker_args):
             from None
 
 
+def die_with_parent(parent_pid, worker_id=None):
+    """On Linux, ask the kernel to kill this process when its parent dies: a rank when its torchrun
+    agent dies (else the rank, in a session of its own, trains on, and the other machines' agents
+    wait for it), a sampling worker when its rank dies (else it stays, holding the job's output and
+    the shared graph). worker_id: DataLoader's argument to its worker_init_fn."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before that took effect
+            os._exit(1)
+
+
 def say(problem):
     print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr, flush=True)
 
@@ -690,6 +753,8 @@ def run_main(argv=None):
     machine stops every machine), an error found by a check or by the workers (1), Ctrl-C or
     SIGTERM (130)."""
     rank = int(os.environ.get("RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank that torchrun's agent started: end with it
+        die_with_parent(os.getppid())
     try:
         args = parse_args(argv)
     except UsageError as err:
@@ -708,6 +773,17 @@ def run_main(argv=None):
             said_once(err, rank)
         say(err)
         sys.exit(1)
+    except RuntimeError as err:  # torch's DistError too
+        import re
+
+        lost = re.search(r"Connection (?:closed|reset) by peer[^.]*|Broken pipe", str(err))
+        if not lost or "RANK" not in os.environ:  # a bug: its traceback; mp.spawn's launcher reports
+            raise
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
+            say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
+                f"machine of this job has gone; the first error in each machine's output says which")
+            sys.exit(1)
+        exit_after_the_speaker()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped
         if rank == 0:  # under torchrun, one line from rank 0
             print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)

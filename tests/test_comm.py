@@ -57,6 +57,33 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, dataset,
     assert set(calls) == {28 * 28 * 10 + 10}  # one bucket: every gradient, each time
 
 
+@pytest.mark.parametrize("flags, later_steps", [([], [4216842, 1607680]), (["--bucket-cap-mb", "25"], [5824522])],
+                         ids=["default", "25 MB"])
+def test_without_the_flag_ddp_keeps_its_own_buckets(monkeypatch, dataset, flags, later_steps):
+    """What torch 2.14.1's DDP does with the MLP's 5.8 million gradients: the first step sends them in
+    one bucket; then DDP rebuilds its buckets in the order backward produced the gradients. By
+    default (bucket_cap_mb=None) the first bucket closes once it holds 1 MiB (layer 3, then layer 2:
+    16.9 MB), the rest (layer 1) follows; with bucket_cap_mb=25 the first bucket may hold 25 MB, and
+    all of them fit in one. So passing 25, "the default", is not DDP's default."""
+    comm = load_script("mnist_ddp_comm")
+    sizes = []
+
+    def counting_hook(state, bucket):
+        sizes.append(bucket.buffer().numel())
+        return comm.default_hooks.allreduce_hook(state, bucket)
+
+    monkeypatch.setattr(comm.default_hooks, "fp16_compress_hook", counting_hook)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(comm.free_port()))
+    monkeypatch.delenv("RANK", raising=False)
+    args = comm.parse_args(["--model", "mlp", "--dataset", dataset, "--data-dir", str(DATA_DIR),
+                            "--batch-size", "16", "--max-steps", "3", "--nprocs", "1", "--quiet",
+                            "--comm-hook", "fp16", *flags, *CPU])
+    comm.worker(0, 1, args)
+    everything = 784 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 10 + 10
+    assert sizes == [everything] + later_steps * 2
+
+
 def test_the_wide_model_learns_with_accumulation_and_bf16_gradients(tmp_path, data_args):
     metrics = tmp_path / "metrics.json"
     r = run_script("mnist_ddp_comm.py", *CPU, "--nprocs", 2, "--model", "mlp", "--accum-steps", 2,

@@ -440,3 +440,53 @@ def test_nccl_on_gpus(tmp_path, launch, amp):
     assert (metrics["world_size"], metrics["backend"], metrics["amp"]) == (world, "nccl", amp)
     losses = [e["train_loss"] for e in metrics["epochs"]]
     assert losses[1] < losses[0] and metrics["epochs"][-1]["test_metric"] > 3 / 16
+
+
+@pytest.mark.parametrize("multi_label", [False, True], ids=["accuracy", "micro-F1"])
+def test_metrics_summed_over_unequal_shards_equal_the_metric_on_the_whole(multi_label):
+    """Evaluation adds up counts (correct and total; true positives, false positives, false
+    negatives) over batches and ranks, and computes the metric once: that equals the metric of one
+    process on all the nodes. Averaging the ranks' metrics would not, with shards of unequal size."""
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(103, 5, generator=g)
+    y = (torch.rand(103, 5, generator=g) > 0.6).float() if multi_label else torch.randint(0, 5, (103,), generator=g)
+    shards = [slice(0, 17), slice(17, 103)]  # two ranks, 17 and 86 nodes
+
+    def reference(out, y):  # the metric computed directly, on one set of nodes
+        if multi_label:
+            pred, truth = out > 0, y > 0.5
+            tp, fp, fn = (pred & truth).sum(), (pred & ~truth).sum(), (~pred & truth).sum()
+            return (2 * tp / (2 * tp + fp + fn).double()).item()
+        return (out.argmax(1) == y).double().mean().item()
+
+    summed = sum(gcn.metric_sums(out[s], y[s]) for s in shards)
+    whole = reference(out, y)
+    assert gcn.metric_value(summed, multi_label) == pytest.approx(whole, abs=1e-12)
+    averaged = sum(reference(out[s], y[s]) for s in shards) / len(shards)
+    assert abs(averaged - whole) > 1e-3  # what averaging the ranks' metrics would give instead
+
+
+@pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False)])
+def test_batches_for_a_gpu_come_in_pinned_memory(monkeypatch, device, pinned):
+    """Each sampled batch is copied to the GPU with non_blocking=True, which overlaps with the GPU's
+    work only from pinned (page-locked) memory: the loaders pin on CUDA (lesson 3), not on CPU."""
+    import torch_geometric.loader
+
+    made = []
+    monkeypatch.setattr(torch_geometric.loader, "NeighborLoader", lambda data, **kwargs: made.append(kwargs))
+    args = gcn.parse_args(["--device", device, "--num-workers", "0"])
+    for script in (gcn, load_script("gcn_single")):
+        script.neighbor_loader(None, torch.arange(10), None, args)
+    assert [kwargs["pin_memory"] for kwargs in made] == [pinned, pinned]
+    assert all(kwargs["input_nodes"].tolist() == list(range(10)) for kwargs in made)
+
+
+def test_a_graph_larger_than_the_free_shared_memory_is_refused(monkeypatch):
+    """Under mp.spawn the graph goes to /dev/shm; with too little there (a container's 64 MB), one
+    line says so, before any rank starts, instead of every rank dying of a bus error."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this system")
+    free = {"bytes": 10 * 2**20}
+    monkeypatch.setattr(gcn.shutil, "disk_usage", lambda path: type("usage", (), {"free": free["bytes"]}))
+    message = refused(monkeypatch, [*CPU, "--nprocs", "2", "--num-nodes", "20000", "--max-steps", "1"])
+    assert "MiB of shared memory and /dev/shm has 10 MiB free" in message and "--shm-size" in message

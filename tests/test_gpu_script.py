@@ -88,3 +88,38 @@ def test_nccl_on_gpus(tmp_path, data_args, amp):
     metrics = read_metrics(out)
     assert (metrics["world_size"], metrics["backend"]) == (world, "nccl")
     assert metrics["epochs"][-1]["test_accuracy"] > 0.6
+
+
+@pytest.mark.parametrize("script", ["mnist_ddp_gpu", "mnist_ddp_resume", "mnist_ddp_comm", "gcn_ddp"])
+@pytest.mark.parametrize("local_rank", [None, "1"], ids=["launcher", "torchrun-local-rank-1"])
+def test_the_gpu_checks_ask_about_this_processs_gpu_by_index(monkeypatch, script, local_rank):
+    """With CUDA faked: the checks that run before set_device() name the GPU they ask about (the
+    launcher: GPU 0; under torchrun: the rank's LOCAL_RANK). Asked with no index, CUDA would start on
+    the current device, GPU 0, in every rank of the machine."""
+    if script == "gcn_ddp":
+        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    module = load_script(script)
+    asked = []
+
+    def capability(device=None):
+        asked.append(("capability", device))
+        return (9, 0)
+
+    def name(device=None):
+        asked.append(("name", device))
+        return "a faked GPU"
+
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(module.torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(module.torch.cuda, "get_device_name", name)
+    monkeypatch.setattr(module.dist, "is_nccl_available", lambda: True)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = module.parse_args(["--amp", "bf16", "--nprocs", "2"])
+    module.check_setup(args, rank=int(local_rank or 0))
+    assert asked == [("capability", int(local_rank or 0))]

@@ -20,18 +20,27 @@ def free_port():
         return s.getsockname()[1]
 
 
-def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180, torchrun_args=()):
-    """Start one torchrun agent per entry of node_args (its node rank is its index) and wait for
-    both. Returns [(returncode, stdout + stderr), ...] and the seconds until both had ended."""
+def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180, torchrun_args=(), c10d=False,
+                 envs=None):
+    """Start one torchrun agent per entry of node_args (its node rank is its index, under the static
+    rendezvous; with c10d=True, the c10d rendezvous hosted by the first, node ranks on arrival) and
+    wait for both. envs: extra environment per machine. Returns [(returncode, stdout + stderr),
+    ...] and the seconds until both had ended."""
     port, agents = free_port(), []
     for node, (args, nprocs) in enumerate(zip(node_args, procs)):
-        launcher = ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                    "--master-addr", "127.0.0.1", "--master-port", str(port),
+        if c10d:
+            rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job"]
+        else:
+            rendezvous = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        launcher = ["-m", "torch.distributed.run", "--nnodes", "2", *rendezvous,
                     "--nproc-per-node", str(nprocs), *torchrun_args]
         script_args = [SCRIPTS / script, *args] if script else args  # None: args start with a path
         command = [sys.executable, *launcher, *map(str, script_args)]
+        machine_env = {**(env or {}), **(envs[node] if envs else {})}
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, cwd=REPO, env=script_env(**(env or {}))))
+                                       text=True, cwd=REPO, env=script_env(**machine_env)))
+        if c10d and node == 0:
+            time.sleep(1)  # the first machine hosts the rendezvous: let it bind the port first
     start, results = time.monotonic(), []
     try:
         for agent in agents:
@@ -184,3 +193,44 @@ def test_a_rank_that_never_reports_is_waited_for_within_the_timeout(tmp_path, da
     assert "not every rank reported for the roll call (waited up to --timeout 5 s)" in line
     assert not any("]: Traceback" in out for _, out in results), results
     assert seconds < 60
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("lost", ["agent", "machine"])
+def test_a_machine_lost_mid_training_ends_the_job_in_one_line(lost, data_args):
+    """Mid-training, machine B's torchrun agent is killed (its ranks, in sessions of their own,
+    used to train on, and machine A's agent waited for minutes), or every process of machine B is.
+    B's ranks end with their agent, within seconds; A's rank ends too, in one line that says a
+    peer was lost, not a Gloo traceback."""
+    import psutil
+
+    port, agents = free_port(), []
+    for node in (0, 1):
+        launcher = ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1"]
+        command = [sys.executable, *launcher, str(SCRIPTS / "mnist_ddp_cpu.py"), "--model", "linear",
+                   "--epochs", "20", "--timeout", "60", *map(str, data_args)]
+        agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       cwd=REPO, env=script_env()))
+    try:
+        lines = []
+        for line in agents[0].stdout:  # wait until training runs
+            lines.append(line)
+            if line.startswith("epoch 1:"):
+                break
+        agent_b = psutil.Process(agents[1].pid)
+        ranks_b = agent_b.children(recursive=True)
+        assert ranks_b
+        start = time.monotonic()
+        for process in [agent_b, *ranks_b] if lost == "machine" else [agent_b]:
+            process.kill()
+        gone, alive = psutil.wait_procs(ranks_b, timeout=15)
+        assert not alive, f"machine B's ranks outlived their agent: {alive}"
+        output = "".join(lines) + agents[0].communicate(timeout=120)[0]
+        assert agents[0].returncode != 0 and time.monotonic() - start < 60
+    finally:
+        for agent in agents:
+            agent.kill()
+    errors = [line for line in output.splitlines() if line.startswith("mnist_ddp_cpu.py: error:")]
+    assert len(errors) == 1 and "rank 0 lost its connection to another rank" in errors[0], output
+    assert "]: Traceback" not in output, output

@@ -4,6 +4,7 @@ by running the same command again after mp.spawn's job has stopped. Snapshots th
 continued are refused in one line, before any worker starts."""
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,73 @@ def test_two_machines_without_a_shared_disk_restart_and_resume_together(tmp_path
     for machine in "ab":
         assert torch.load(tmp_path / machine / "s.pt", weights_only=True)["epoch"] == 3
     assert max_difference(tmp_path / "w.pt", uninterrupted) == 0.0
+
+
+# Lesson 5's script, as torchrun starts it, with two roles a test can give a machine: "crash" (its
+# rank dies halfway through epoch 2, once) and "busy" (its rank spends minutes outside any
+# collective at that moment, once, as an NCCL rank waiting in a collective would), as a file of
+# the course's could not be asked to. Each rank prints its TORCHELASTIC_RESTART_COUNT.
+ROLES = """
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("mnist_ddp_resume", {script!r})
+resume = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(resume)
+role, marks = os.environ["TEST_ROLE"], {marks!r}
+print(f"rank {{os.environ['RANK']}}: TORCHELASTIC_RESTART_COUNT={{os.environ['TORCHELASTIC_RESTART_COUNT']}}",
+      flush=True)
+plain_tqdm = resume.tqdm
+
+
+def tqdm(iterable, desc="", **kwargs):
+    for step, item in enumerate(plain_tqdm(iterable, desc=desc, **kwargs)):
+        mark = os.path.join(marks, role)
+        if desc == "epoch 2" and step == len(iterable) // 2 and role != "plain" and not os.path.exists(mark):
+            open(mark, "w").close()
+            if role == "crash":
+                print(f"rank {{os.environ['RANK']}}: crashing", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(300)
+        yield item
+
+
+resume.tqdm = tqdm
+resume.run_main()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("roles", [("plain", "crash"), ("crash", "plain"), ("busy", "crash")],
+                         ids=["crash-on-the-second", "crash-on-the-first", "the-other-busy"])
+def test_two_machines_under_the_c10d_rendezvous_restart_and_resume(tmp_path, small_data_args, roles):
+    """Two torchrun agents, the c10d rendezvous (hosted by the first), a rank of one machine
+    killed in epoch 2. When the other machine's rank is busy outside any collective then, it does
+    not fail: its agent restarts it for the new round without counting a restart, and the two
+    machines' ranks start the round with different TORCHELASTIC_RESTART_COUNTs (checked below).
+    Keys built from that count made them wait for each other in vain; the job must finish, resumed,
+    with the weights of a run never interrupted."""
+    from test_multi_machine import two_machines
+
+    wrapper = tmp_path / "roles.py"
+    wrapper.write_text(ROLES.format(script=str(SCRIPTS / SCRIPT), marks=str(tmp_path)))
+    flags = [*CPU, "--model", "linear", "--epochs", 3, *small_data_args, "--threads-per-proc", 1,
+             "--timeout", 60]
+    machines = [[wrapper, *flags, "--snapshot", tmp_path / "a" / "s.pt", "--save", tmp_path / "a" / "w.pt"],
+                [wrapper, *flags, "--snapshot", tmp_path / "b" / "s.pt", "--save", tmp_path / "b" / "w.pt"]]
+    results, seconds = two_machines(None, machines, c10d=True, timeout=240,
+                                    torchrun_args=["--max-restarts", "1", "--monitor-interval", "1"],
+                                    envs=[{"TEST_ROLE": role} for role in roles])
+    assert all(code == 0 for code, _ in results), results
+    crashed = roles.index("crash")
+    assert "crashing" in results[crashed][1] and "resuming from" in "".join(out for _, out in results)
+    counts = [sorted(set(re.findall(r"TORCHELASTIC_RESTART_COUNT=(\d)", out))) for _, out in results]
+    assert counts[crashed] == ["0", "1"]
+    if "busy" in roles:  # the healthy machine's agent did not count the restart
+        assert counts[roles.index("busy")] == ["0"] and (tmp_path / "busy").exists()
+    reference = tmp_path / "uninterrupted.pt"
+    r = run_script(SCRIPT, *flags, "--nprocs", 2, "--snapshot", tmp_path / "u.pt", "--save", reference)
+    assert r.returncode == 0, r.stderr
+    rank_0 = [w for w in (tmp_path / "a" / "w.pt", tmp_path / "b" / "w.pt") if w.exists()]
+    assert len(rank_0) == 1 and max_difference(rank_0[0], reference) == 0.0
 
 
 def test_after_a_crash_without_torchrun_the_same_command_resumes(tmp_path, data_args, uninterrupted):
@@ -213,25 +281,69 @@ def test_a_snapshot_that_cannot_be_written_leaves_no_half_file(tmp_path, monkeyp
 
     real_save = torch.save
 
-    def full_disk(obj, path, **kwargs):  # all_gather_object serialises with torch.save too
-        if not str(path).endswith(".part"):
-            return real_save(obj, path, **kwargs)
-        with open(path, "wb") as f:
-            f.write(b"half a snapshot")
+    def full_disk(obj, f, **kwargs):  # all_gather_object serialises with torch.save too
+        if not str(getattr(f, "name", f)).endswith(".part"):
+            return real_save(obj, f, **kwargs)
+        f.write(b"half a snapshot")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(resume.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_one_snapshot(resume, snapshot, monkeypatch)
+    assert os.listdir(tmp_path) == ["s.pt"] and snapshot.read_bytes() == b"the previous snapshot"
+
+
+def save_one_snapshot(resume, path, monkeypatch):
+    """save_snapshot() in this process, as a one-rank job would call it."""
+    args = argparse.Namespace(snapshot=str(path), **{k: None for k in resume.SNAPSHOT_MUST_MATCH})
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(resume.free_port()))
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    args = argparse.Namespace(snapshot=str(snapshot), **{k: None for k in resume.SNAPSHOT_MUST_MATCH})
-    model = torch.nn.Linear(2, 2)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        with pytest.raises(OSError, match="No space left"):
-            resume.save_snapshot(args, 1, 10, argparse.Namespace(module=model),
-                                 torch.optim.SGD(model.parameters(), lr=0.1),
-                                 torch.amp.GradScaler("cpu", enabled=False), [], torch.device("cpu"))
+        resume.save_snapshot(args, 1, 10, argparse.Namespace(module=model),
+                             torch.optim.SGD(model.parameters(), lr=0.1),
+                             torch.amp.GradScaler("cpu", enabled=False), [], torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    assert os.listdir(tmp_path) == ["s.pt"] and snapshot.read_bytes() == b"the previous snapshot"
+
+
+def test_a_snapshot_is_on_the_disk_before_it_replaces_the_previous_one(tmp_path, monkeypatch):
+    """A power cut cannot be played here; the order of the calls can be checked. The file's bytes
+    are synced before the rename (else a machine crash could leave the new name on a file whose
+    bytes never reached the disk), and the folder after it (else the rename itself could be lost)."""
+    import stat
+
+    resume = load_script("mnist_ddp_resume")
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(resume.os, "fsync", fsync)
+    monkeypatch.setattr(resume.os, "replace", replace)
+    save_one_snapshot(resume, tmp_path / "s.pt", monkeypatch)
+    assert calls == ["fsync file", "rename", "fsync folder"]
+    assert torch.load(tmp_path / "s.pt", weights_only=True)["epoch"] == 1
+
+
+def test_a_resume_with_another_learning_rate_applies_it_and_says_so(tmp_path, small_data_args):
+    """optimizer.load_state_dict() restores the snapshot's learning rate with the momentum; the
+    run's own --lr replaces it, in one line. (Batch size, seed, model: refused instead, above.)"""
+    common = [*CPU, "--model", "linear", "--nprocs", 2, *small_data_args, "--snapshot", tmp_path / "s.pt"]
+    r = run_script(SCRIPT, *common, "--epochs", 1, "--lr", 0.01)
+    assert r.returncode == 0, r.stderr
+    r = run_script(SCRIPT, *common, "--epochs", 2, "--lr", 0.05)
+    assert r.returncode == 0, r.stderr
+    assert "learning rate 0.05 (--lr), not the snapshot's 0.01" in r.stdout
+    groups = torch.load(tmp_path / "s.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [g["lr"] for g in groups] == [0.05]
+    r = run_script(SCRIPT, *common, "--epochs", 3, "--lr", 0.05)  # the same rate: nothing to say
+    assert r.returncode == 0 and "learning rate" not in r.stdout

@@ -314,17 +314,23 @@ def metric_value(totals, multi_label):
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def neighbor_loader(data, nodes, sampler, args):
+    """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
+    pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
+    from torch_geometric.loader import NeighborLoader
+
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes, batch_size=args.batch_size,
+                          neighbor_sampler=sampler, pin_memory=args.device == "cuda",
+                          num_workers=args.num_workers)
+
+
 @torch.no_grad()
 def evaluate(model, data, sampler, idx, args, device, rank, world_size):
     """Metric over idx: each rank scores every world_size-th node, the sums are all-reduced."""
-    from torch_geometric.loader import NeighborLoader
-
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     # Batches as big as in training: bigger ones would raise the peak memory.
-    loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=idx[rank::world_size],
-                            batch_size=args.batch_size, neighbor_sampler=sampler,
-                            num_workers=args.num_workers)
+    loader = neighbor_loader(data, idx[rank::world_size], sampler, args)
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
@@ -335,7 +341,6 @@ def evaluate(model, data, sampler, idx, args, device, rank, world_size):
 
 
 def train(rank, local_rank, world_size, data, split, metric, args):
-    from torch_geometric.loader import NeighborLoader
     from torch_geometric.sampler import NeighborSampler
 
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
@@ -369,9 +374,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
     history, steps, start = [], 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         chunk = rank_chunk(split["train"], epoch, rank, world_size, args.seed, not args.no_shuffle)
-        loader = NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=chunk,
-                                batch_size=args.batch_size, neighbor_sampler=sampler,
-                                num_workers=args.num_workers)
+        loader = neighbor_loader(data, chunk, sampler, args)
         epoch_start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         seeds, sampled = 0, 0
@@ -456,8 +459,9 @@ def worker(rank, world_size, args, graph=None):
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
 
-def check_device(args):
-    """Refuse, before any process starts, what cannot work; say what to do instead."""
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
     check_sampler()
     if len(args.num_neighbors) != 2:
         raise UsageError(f"the GCN has 2 layers, so --num-neighbors takes 2 fan-outs (one per hop), "
@@ -474,8 +478,8 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
                          f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
@@ -485,7 +489,7 @@ def check_device(args):
 
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args)
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 

@@ -213,7 +213,8 @@ def train(rank, local_rank, world_size, args):
     torch.manual_seed(args.seed)
     model = build_model(args.model).to(device)
     # DDP all-reduces the gradients in buckets of about bucket_cap_mb, each as soon as backward has
-    # filled it, so that communication overlaps with the rest of backward (default 25 MB).
+    # filled it, so that communication overlaps with the rest of backward. None: DDP's default,
+    # 25 MB buckets after a first one of 1 MiB (passing 25 makes the first one 25 MB too).
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb)
     # A communication hook replaces DDP's all-reduce of each bucket: these cast the bucket to
@@ -365,8 +366,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check_device(args):
-    """Refuse, before any process starts, what cannot work; say what to do instead."""
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
     if args.device == "cpu":
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
@@ -379,8 +381,8 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
                          f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
@@ -390,7 +392,7 @@ def check_device(args):
 
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args)
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 
@@ -461,8 +463,9 @@ def parse_args(argv=None):
                         "all-reduced once per step")
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16"], default="none",
                    help="all-reduce the gradients in this precision (half the bytes)")
-    p.add_argument("--bucket-cap-mb", type=positive(float), default=25.0,
-                   help="DDP's bucket size: gradients are all-reduced in buckets of about this size")
+    p.add_argument("--bucket-cap-mb", type=positive(float), default=None,
+                   help="DDP's bucket size: gradients are all-reduced in buckets of about this size "
+                        "(default: DDP's own, 25 MB after a first bucket of 1 MiB)")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
     p.add_argument("--save", type=str, default=None, help="write the final state_dict here")

@@ -316,8 +316,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check_device(args):
-    """Refuse, before any process starts, what cannot work; say what to do instead."""
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
     if args.device == "cpu":
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
@@ -330,8 +331,8 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
                          f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
@@ -341,7 +342,7 @@ def check_device(args):
 
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args)
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 

@@ -229,7 +229,12 @@ def train(rank, local_rank, world_size, args):
     history, steps, first_epoch = [], 0, 1
     if snapshot:
         model.module.load_state_dict(snapshot["model"])
-        optimizer.load_state_dict(snapshot["optimizer"])
+        optimizer.load_state_dict(snapshot["optimizer"])  # with the snapshot's learning rate:
+        if optimizer.param_groups[0]["lr"] != args.lr:  # this run's --lr wins, and says so
+            log(f"learning rate {args.lr:g} (--lr), not the snapshot's {optimizer.param_groups[0]['lr']:g}",
+                flush=True)
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr
         scaler.load_state_dict(snapshot["scaler"])
         history, steps, first_epoch = snapshot["history"], snapshot["steps"], snapshot["epoch"] + 1
         if snapshot["world_size"] == world_size:  # the same ranks: each resumes its own random stream
@@ -370,7 +375,8 @@ def flag(key, value):
 
 def save_snapshot(args, epoch, steps, model, optimizer, scaler, history, device):
     """Every rank hands in its random state; the first rank of each machine writes the snapshot
-    atomically (a crash while writing leaves the previous one intact)."""
+    atomically and durably: a crash of the process, or of the machine, while writing leaves the
+    previous one intact."""
     rng = {"cpu": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     every_rng = [None] * dist.get_world_size()
@@ -384,8 +390,16 @@ def save_snapshot(args, epoch, steps, model, optimizer, scaler, history, device)
                 "rng": every_rng, "history": history}
     partial = f"{args.snapshot}.{socket.gethostname()}.{os.getpid()}.part"  # machines may share a disk
     try:
-        torch.save(snapshot, partial)
-        os.replace(partial, args.snapshot)
+        with open(partial, "wb") as f:
+            torch.save(snapshot, f)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename, so that a power cut cannot
+        os.replace(partial, args.snapshot)  # leave a renamed file whose bytes never got there
+        folder = os.open(os.path.dirname(os.path.abspath(args.snapshot)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # and the rename itself on the disk
+        finally:
+            os.close(folder)
     except BaseException:  # a full disk, Ctrl-C: leave no half-written file behind
         if os.path.exists(partial):
             os.remove(partial)
@@ -427,8 +441,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check_device(args):
-    """Refuse, before any process starts, what cannot work; say what to do instead."""
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
     if args.device == "cpu":
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
@@ -441,8 +456,8 @@ def check_device(args):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name()} has no bf16 arithmetic (it came with "
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
                          f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
     if procs > gpus:
@@ -452,7 +467,7 @@ def check_device(args):
 
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args)
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine), and reads the snapshot
         check_writable(args.save, args.metrics_json)
         read_snapshot(args)
