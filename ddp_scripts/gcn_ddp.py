@@ -337,6 +337,13 @@ def evaluate(model, data, sampler, idx, args, device, rank, world_size):
     return metric_value(totals, data.y.dim() == 2)
 
 
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
+
+
 def train(rank, local_rank, world_size, data, split, metric, args):
     from torch_geometric.sampler import NeighborSampler
 
@@ -411,6 +418,11 @@ def train(rank, local_rank, world_size, data, split, metric, args):
                         "seed_nodes": int(totals[1]), "steps": steps})
         log(f"epoch {epoch}: train loss {train_loss:.4f}  val {metric} {val:.2%}  test {metric} "
             f"{test:.2%}  {seconds:.1f} s  {totals[2].item() / seconds:,.0f} sampled nodes/s", flush=True)
+        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": world_size,
+                "model": "gcn", "dataset": args.dataset, "metric": metric, "batch_size": args.batch_size,
+                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
+                "num_workers": args.num_workers, "backend": args.backend, "epochs": history})
         # 6. Optional: a barrier keeps the ranks' epochs in step (NCCL's: on this rank's GPU).
         dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
@@ -424,13 +436,6 @@ def train(rank, local_rank, world_size, data, split, metric, args):
           f"{time.perf_counter() - start:.1f} s in all", flush=True)
     if args.save:
         torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
-    if args.metrics_json:
-        with open(args.metrics_json, "w") as f:
-            json.dump({"world_size": world_size, "model": "gcn", "dataset": args.dataset,
-                       "metric": metric, "batch_size": args.batch_size,
-                       "threads_per_proc": args.threads_per_proc, "device": args.device,
-                       "backend": args.backend, "amp": args.amp, "num_workers": args.num_workers,
-                       "epochs": history}, f, indent=2)
 
 
 # --------------------------------------------------------------------------- launching
@@ -495,8 +500,7 @@ def check_setup(args, rank):
 
 def main(args):
     if "RANK" in os.environ:
-        # Started by torchrun: this process already is one rank. Each rank checks its own set-up
-        # before joining the group.
+        # Started by torchrun: this process already is one rank; it checks its set-up first.
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
         worker(rank, world_size, args)
@@ -636,6 +640,9 @@ def add_hardening_flags(parser):
     parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
                         help="under torchrun: seconds a rank may wait while others download and "
                              "prepare the data")
+    # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
+    # variable, which they set too, is what counts (as PyTorch recommends).
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def master_port():

@@ -271,6 +271,13 @@ def evaluate(model, data, sampler, idx, args, device):
     return metric_value(totals, data.y.dim() == 2)
 
 
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
+
+
 def train(data, split, metric, args):
     from torch_geometric.sampler import NeighborSampler
 
@@ -341,6 +348,11 @@ def train(data, split, metric, args):
                         "seed_nodes": seeds, "steps": steps})
         log(f"epoch {epoch}: train loss {train_loss:.4f}  val {metric} {val:.2%}  test {metric} "
             f"{test:.2%}  {seconds:.1f} s  {sampled / seconds:,.0f} sampled nodes/s", flush=True)
+        if args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": 1,
+                "model": "gcn", "dataset": args.dataset, "metric": metric, "batch_size": args.batch_size,
+                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
+                "num_workers": args.num_workers, "epochs": history})
         if steps == args.max_steps:
             break
 
@@ -350,13 +362,6 @@ def train(data, split, metric, args):
           f"{time.perf_counter() - start:.1f} s in all", flush=True)
     if args.save:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.save)
-    if args.metrics_json:
-        with open(args.metrics_json, "w") as f:
-            json.dump({"world_size": 1, "model": "gcn", "dataset": args.dataset,
-                       "metric": metric, "batch_size": args.batch_size,
-                       "threads_per_proc": args.threads_per_proc, "device": args.device,
-                       "amp": args.amp, "num_workers": args.num_workers,
-                       "epochs": history}, f, indent=2)
 
 
 # --------------------------------------------------------------------------- launching

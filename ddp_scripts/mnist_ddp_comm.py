@@ -187,11 +187,17 @@ def evaluate(model, images, labels, rank, world_size):
         totals[0] += F.cross_entropy(logits, y, reduction="sum")
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += len(y)
-    # SUM the sums and counts over ranks, then divide once: the shards may differ in size, so an
-    # average of the ranks' averages would be slightly off.
+    # SUM over ranks, then divide once: shards may differ in size (an average of averages would not)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     model.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
 
 
 def train(rank, local_rank, world_size, args):
@@ -295,10 +301,16 @@ def train(rank, local_rank, world_size, args):
         log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
             f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
             flush=True)
-        # 6. Optional: a barrier, so that no rank starts the next epoch before all have finished
-        #    this one. DDP does not need it (every backward and the all_reduce above already wait
-        #    for all ranks); it keeps the ranks' per-epoch timings and prints in step. NCCL's
-        #    barrier is a tiny all-reduce on a GPU: name this rank's, or torch guesses the device.
+        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": world_size,
+                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
+                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
+                "accum_steps": args.accum_steps, "comm_hook": args.comm_hook,
+                "bucket_cap_mb": args.bucket_cap_mb, "gradient_mb": gradient_mb,
+                "allreduce_ms": allreduce_seconds * 1e3, "backend": args.backend, "epochs": history})
+        # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
+        #    backward and the all_reduce above already wait for all ranks. NCCL's barrier is a
+        #    tiny all-reduce on a GPU: name this rank's, or torch guesses the device.
         dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
             break
@@ -311,14 +323,6 @@ def train(rank, local_rank, world_size, args):
               f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
         if args.save:
             torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as f:
-                json.dump({"world_size": world_size, "model": args.model, "dataset": args.dataset,
-                           "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
-                           "device": args.device, "backend": args.backend, "amp": args.amp,
-                           "accum_steps": args.accum_steps, "comm_hook": args.comm_hook,
-                           "bucket_cap_mb": args.bucket_cap_mb, "gradient_mb": gradient_mb,
-                           "allreduce_ms": allreduce_seconds * 1e3, "epochs": history}, f, indent=2)
 
 
 def time_allreduce(numel, dtype, device, repeats=5):
@@ -403,9 +407,8 @@ def main(args):
         roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
         worker(rank, world_size, args)
         return
-    # Started by hand: check, and prepare the data, once, here, before any worker exists; then
-    # start --nprocs copies of this file. Each re-imports it (hence the __main__ guard) and runs
-    # worker(rank, nprocs, args).
+    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
+    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
     check_setup(args, rank=0)
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -507,6 +510,9 @@ def add_hardening_flags(parser):
     parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
                         help="under torchrun: seconds a rank may wait while others download and "
                              "prepare the data")
+    # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
+    # variable, which they set too, is what counts (as PyTorch recommends).
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def master_port():

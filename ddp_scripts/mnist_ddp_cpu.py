@@ -180,11 +180,17 @@ def evaluate(model, images, labels, rank, world_size):
         totals[0] += F.cross_entropy(logits, y, reduction="sum").item()
         totals[1] += (logits.argmax(1) == y).sum().item()
         totals[2] += len(y)
-    # SUM the sums and counts over ranks, then divide once: the shards may differ in size, so an
-    # average of the ranks' averages would be slightly off.
+    # SUM over ranks, then divide once: shards may differ in size (an average of averages would not)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     model.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
 
 
 def train(rank, world_size, args):
@@ -241,9 +247,12 @@ def train(rank, world_size, args):
         log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
             f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
             flush=True)
-        # 6. Optional: a barrier, so that no rank starts the next epoch before all have finished
-        #    this one. DDP does not need it (every backward and the all_reduce above already wait
-        #    for all ranks); it keeps the ranks' per-epoch timings and prints in step.
+        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": world_size,
+                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
+                "threads_per_proc": args.threads_per_proc, "epochs": history})
+        # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
+        #    backward and the all_reduce above already wait for all ranks.
         dist.barrier()
         if steps == args.max_steps:
             break
@@ -256,11 +265,6 @@ def train(rank, world_size, args):
               f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
         if args.save:
             torch.save(model.module.state_dict(), args.save)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as f:
-                json.dump({"world_size": world_size, "model": args.model, "dataset": args.dataset,
-                           "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
-                           "epochs": history}, f, indent=2)
 
 
 def worker(rank, world_size, args):
@@ -301,9 +305,8 @@ def main(args):
         roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
         worker(rank, world_size, args)
         return
-    # Started by hand: check, and prepare the data, once, here, before any worker exists; then
-    # start --nprocs copies of this file. Each re-imports it (hence the __main__ guard) and runs
-    # worker(rank, nprocs, args).
+    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
+    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
     check_setup(args, rank=0)
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -386,6 +389,9 @@ def add_hardening_flags(parser):
     parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
                         help="under torchrun: seconds a rank may wait while others download and "
                              "prepare the data")
+    # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
+    # variable, which they set too, is what counts (as PyTorch recommends).
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def master_port():

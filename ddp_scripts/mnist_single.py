@@ -177,6 +177,13 @@ def evaluate(model, images, labels):
     return loss_sum / len(labels), correct / len(labels)
 
 
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
+
+
 def train(args):
     torch.set_num_threads(args.threads_per_proc)
     train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
@@ -218,6 +225,10 @@ def train(args):
         log(f"epoch {epoch}: train loss {loss_sum / seen:.4f}  test loss {test_loss:.4f}  "
             f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen / seconds:,.0f} images/s",
             flush=True)
+        if args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": 1,
+                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
+                "threads_per_proc": args.threads_per_proc, "epochs": history})
         if steps == args.max_steps:
             break
 
@@ -227,11 +238,6 @@ def train(args):
           f"{time.perf_counter() - start:.1f} s in all", flush=True)
     if args.save:
         torch.save(model.state_dict(), args.save)
-    if args.metrics_json:
-        with open(args.metrics_json, "w") as f:
-            json.dump({"world_size": 1, "model": args.model, "dataset": args.dataset,
-                       "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
-                       "epochs": history}, f, indent=2)
 
 
 def main(args):

@@ -152,9 +152,12 @@ def test_two_machines_under_the_c10d_rendezvous_restart_and_resume(tmp_path, sma
 
 def test_after_a_crash_without_torchrun_the_same_command_resumes(tmp_path, data_args, uninterrupted):
     command = [*LINEAR, *data_args, "--nprocs", 2, "--crash-in-epoch", 2, "--snapshot", tmp_path / "s.pt",
-               "--save", tmp_path / "w.pt"]
+               "--save", tmp_path / "w.pt", "--metrics-json", tmp_path / "m.json"]
     r = run_script(SCRIPT, *command)
     assert r.returncode == 1
+    # the metrics are written after every epoch: the crashed run's file holds the epoch it finished
+    assert [e["epoch"] for e in read_metrics(tmp_path / "m.json")["epochs"]] == [1]
+    assert not (tmp_path / "m.json.part").exists()
     errors = [line for line in r.stderr.splitlines() if line.startswith(f"{SCRIPT}: error:")]
     assert errors == [f"{SCRIPT}: error: worker 1 ended with signal SIGKILL; the other workers were stopped"]
     assert "leaked semaphore" not in r.stderr

@@ -93,3 +93,13 @@ def test_quiet_prints_only_the_summary(data_args):
                    "--quiet", *data_args)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("done:") and r.stdout.count("\n") == 1
+
+
+def test_older_launchers_that_pass_local_rank_work(tmp_path, data_args):
+    """torch.distributed.launch (and DeepSpeed's launcher) pass --local-rank to the script; the
+    scripts accept it and read LOCAL_RANK from the environment, as torchrun sets it."""
+    out = tmp_path / "m.json"
+    r = run_script("mnist_ddp_cpu.py", "--model", "linear", "--max-steps", 3, "--metrics-json", out,
+                   *data_args, launcher=["-m", "torch.distributed.launch", "--nproc-per-node", "2"])
+    assert r.returncode == 0, r.stderr
+    assert read_metrics(out)["world_size"] == 2
