@@ -60,7 +60,7 @@ def load_split(name, data_dir, train):
     prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
     images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
     mean, std = MEAN_STD[name]
-    images = images.float().div(255).sub(mean).div(std).unsqueeze(1)  # N x 1 x 28 x 28
+    images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
     return images, labels.long()
 
 
@@ -128,7 +128,7 @@ def worker(rank, world_size, args):
         with torch.no_grad():
             model.eval()
             correct = sum((model(x).argmax(1) == y).sum().item()
-                          for x, y in zip(test_images.split(1000), test_labels.split(1000)))
+                          for x, y in zip(test_images.split(128), test_labels.split(128)))
         accuracy = correct / len(test_labels)
         print(f"done: {args.model} on {args.dataset} by hand, {world_size} processes, {steps} steps, "
               f"test accuracy {accuracy:.2%}", flush=True)

@@ -22,6 +22,7 @@ import time
 import traceback
 from datetime import timedelta
 from urllib.error import URLError
+from urllib.request import getproxies
 
 import torch
 import torch.distributed as dist
@@ -34,11 +35,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:
     from tqdm import tqdm
-    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
-    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
-    tqdm.set_lock(threading.RLock())
+    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
 except ImportError:  # the progress bar is optional
-
     def tqdm(iterable, **kwargs):
         return iterable
 
@@ -68,11 +66,12 @@ def have_files(name, data_dir):
 
 def try_download(name, data_dir):
     """torchvision's own download; False (within seconds, not minutes) when offline."""
-    from torchvision import datasets
-
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(10)
     try:
+        if not getproxies():  # offline, this fails at once, before the import (a proxy looks it up)
+            socket.getaddrinfo("ossci-datasets.s3.amazonaws.com", 443)  # torchvision's MNIST mirror
+        from torchvision import datasets
         getattr(datasets, FOLDERS[name])(data_dir, train=True, download=True)  # train and test files
         return True
     except (RuntimeError, URLError, OSError):
@@ -141,7 +140,7 @@ def load_split(name, data_dir, train):
     prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
     images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
     mean, std = MEAN_STD[name]
-    images = images.float().div(255).sub(mean).div(std).unsqueeze(1)  # N x 1 x 28 x 28
+    images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
     return images, labels.long()
 
 
@@ -238,7 +237,7 @@ def evaluate(model, images, labels, rank, world_size):
     model.eval()
     images, labels = images[rank::world_size], labels[rank::world_size]  # disjoint shards
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for x, y in zip(images.split(1000), labels.split(1000)):
+    for x, y in zip(images.split(128), labels.split(128)):
         logits = model(x)
         totals[0] += F.cross_entropy(logits, y, reduction="sum").item()
         totals[1] += (logits.argmax(1) == y).sum().item()
@@ -416,15 +415,6 @@ def non_negative(text):
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
     return value
-
-
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
 
 
 def parse_args(argv=None):
@@ -665,18 +655,62 @@ def spawned_worker(rank, worker, stop, *worker_args):
     import signal
 
     sys.unraisablehook = quiet_interrupt_in_finalizer
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the launcher's handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if not stop.is_set():
         try:
             worker(rank, *worker_args)
         except UsageError as err:
             said_once(err, rank)
+        finally:
+            exit_sooner()
+
+
+def native_threads():
+    """This process's threads as the kernel counts them (Python's own count misses torch's), or
+    None where there is no /proc."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+THREADS_AFTER_IMPORTS = native_threads()  # this line runs once the lesson's imports are done
+
+
+def start_method():
+    """How spawn_workers starts the workers: "fork" where it is safe, "spawn" (what mp.spawn does)
+    elsewhere. A forked worker starts with torch already imported, which saves it seconds; but fork
+    copies only the calling thread. It is safe when no thread has started here since the imports
+    (an OpenMP pool that a computation here started leaves a forked worker hung at its first
+    parallel operation) and there is no GPU (CUDA cannot be used in a child forked after the parent
+    has used it). DDP_START_METHOD=spawn, fork or forkserver decides instead."""
+    chosen = os.environ.get("DDP_START_METHOD")
+    if chosen:
+        if chosen not in mp.get_all_start_methods():
+            raise UsageError(f"DDP_START_METHOD={chosen} is not one of "
+                             f"{', '.join(mp.get_all_start_methods())} (or unset it)")
+        return chosen
+    if THREADS_AFTER_IMPORTS is not None and native_threads() == THREADS_AFTER_IMPORTS \
+            and "fork" in mp.get_all_start_methods() and not torch.cuda.is_available():
+        return "fork"
+    return "spawn"
+
+
+def exit_sooner():
+    """Python's last garbage collection at exit walks every object that torch's imports created
+    (about a second here); frozen, they are left to the operating system. Finalizers, atexit
+    functions and the flushing of open files still run."""
+    import gc
+
+    gc.freeze()
 
 
 def spawn_workers(worker, nprocs, *worker_args):
-    """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), and however the run ends, it
-    ends whole: a worker that fails makes mp.spawn stop the others, and Ctrl-C or SIGTERM here
-    stops them too (mp.spawn's own join would keep waiting while they train on)."""
+    """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), the workers started as
+    start_method() says, and however the run ends, it ends whole: a worker that fails makes
+    mp.spawn stop the others, and Ctrl-C or SIGTERM here stops them too (mp.spawn's own join would
+    keep waiting while they train on)."""
     import logging
     import signal
 
@@ -684,15 +718,18 @@ def spawn_workers(worker, nprocs, *worker_args):
     # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
     # failure; the one line this launcher prints says so already.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    stop = mp.get_context("spawn").Event()  # set when interrupted, for workers still starting
+    method = start_method()
+    if method == "fork":  # DDP's constructor imports torch._dynamo (~1 s): once here, not per worker
+        import torch._dynamo  # noqa: F401
+    stop = mp.get_context(method).Event()  # set when interrupted, for workers still starting
     try:
         # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
         # that a Ctrl-C while they import torch prints no traceback from each; they listen again
         # in spawned_worker. This process stops them, below.
         listening = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            workers = mp.spawn(spawned_worker, args=(worker, stop, nprocs, *worker_args),
-                               nprocs=nprocs, join=False)
+            workers = mp.start_processes(spawned_worker, args=(worker, stop, nprocs, *worker_args),
+                                         nprocs=nprocs, join=False, start_method=method)
         finally:
             signal.signal(signal.SIGINT, listening)
         while not workers.join():  # True once all have finished; raises when one has failed
@@ -774,6 +811,7 @@ def run_main(argv=None):
         sys.exit(2)
     try:
         main(args)
+        exit_sooner()
     except UsageError as err:
         if "RANK" in os.environ:  # torchrun: every rank may have met it; rank 0 says it
             said_once(err, rank)

@@ -92,3 +92,36 @@ def test_explicit_fashion_mnist_prepares_an_empty_data_dir_from_the_package(tmp_
     assert torch.bincount(labels).tolist() == [1000] * 10
     # normalised with the dataset's own statistics
     assert abs(images.mean().item()) < 0.05 and abs(images.std().item() - 1) < 0.05
+
+
+def test_offline_without_a_proxy_no_download_is_tried(tmp_path):
+    """Where the mirror's name cannot be looked up, try_download says so at once, without
+    importing torchvision; with a proxy set, the lookup is the proxy's and torchvision is asked."""
+    import json
+    import subprocess
+    import sys
+    from urllib.parse import urlparse
+
+    from conftest import SCRIPTS
+    from torchvision import datasets
+
+    mirror = urlparse(datasets.MNIST.mirrors[0]).hostname  # the name looked up must be torchvision's
+    probe = f"""
+import socket, sys
+sys.path.insert(0, {str(SCRIPTS)!r})
+import mnist_single
+looked_up = []
+def refuse(host, *args, **kwargs):
+    looked_up.append(host)
+    raise socket.gaierror(-2, "Name or service not known")
+socket.getaddrinfo = refuse
+import json
+print(json.dumps([mnist_single.try_download("mnist", {str(tmp_path)!r}), looked_up, "torchvision" in sys.modules]))
+"""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert json.loads(r.stdout) == [False, [mirror], False], r.stderr
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                       env={**env, **OFFLINE})  # a proxy where nothing listens
+    found, looked_up, imported = json.loads(r.stdout)
+    assert (found, imported) == (False, True) and mirror not in looked_up, r.stderr

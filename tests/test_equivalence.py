@@ -2,15 +2,15 @@
 with batch N*B, when both see the same samples (--no-shuffle) and nothing is random (linear model)."""
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_script, script_env
 
 STEPS = 25
 
 
-def train_and_load(tmp_path, name, script, *args, data_args):
+def train_and_load(tmp_path, name, script, *args, data_args, env=None):
     path = tmp_path / f"{name}.pt"
     r = run_script(script, "--model", "linear", "--no-shuffle", "--max-steps", STEPS,
-                   "--save", path, "--quiet", *args, *data_args)
+                   "--save", path, "--quiet", *args, *data_args, env=env)
     assert r.returncode == 0, r.stderr
     return torch.load(path)
 
@@ -20,17 +20,20 @@ def max_abs_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("script, world_size", [
-    ("mnist_ddp_cpu.py", 2), ("mnist_ddp_cpu.py", 3),
-    ("mnist_ddp_gpu.py", 2),  # its CPU fallback; tests/test_gpu_script.py covers GPUs
+@pytest.mark.parametrize("script, world_size, start_method", [
+    ("mnist_ddp_cpu.py", 2, None), ("mnist_ddp_cpu.py", 3, None),
+    ("mnist_ddp_cpu.py", 2, "spawn"),  # what the scripts use where fork is not safe
+    ("mnist_ddp_gpu.py", 2, None),  # its CPU fallback; tests/test_gpu_script.py covers GPUs
 ])
-def test_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args, script, world_size):
+def test_ddp_matches_one_process_on_the_same_global_batch(tmp_path, data_args, script, world_size,
+                                                          start_method):
     batch = 40
     single = train_and_load(tmp_path, "single", "mnist_single.py", "--batch-size", world_size * batch,
                             data_args=data_args)
     cpu = ["--backend", "gloo", "--device", "cpu"] if script == "mnist_ddp_gpu.py" else []
+    env = script_env(DDP_START_METHOD=start_method) if start_method else None
     ddp = train_and_load(tmp_path, "ddp", script, *cpu, "--nprocs", world_size,
-                         "--batch-size", batch, data_args=data_args)
+                         "--batch-size", batch, data_args=data_args, env=env)
     assert max_abs_diff(single, ddp) < 1e-5
 
     # The comparison can fail: one process with the per-rank batch takes different steps ...

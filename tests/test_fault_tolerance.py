@@ -28,18 +28,20 @@ def ranks_of(launcher):
 
 
 @contextlib.contextmanager
-def training_job(script, dataset, under_torchrun=False, starting=False):
+def training_job(script, dataset, under_torchrun=False, starting=False, start_method=None):
     """Start a 2-rank job as a terminal would (own session, SIGINT not ignored) and yield
     (launcher, its two ranks, all its processes) once both ranks train, or with starting=True as
-    soon as both exist (still importing torch). Kills what is left after. The launcher is the
-    script itself (mp.spawn), or torchrun."""
+    soon as both exist (spawned ones still importing torch). Kills what is left after. The launcher
+    is the script itself (mp.spawn), or torchrun. start_method: DDP_START_METHOD (default: the
+    script's own choice, fork on a machine without GPUs)."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
     path = str(SCRIPTS / script)
     start = [*torchrun(2), path] if under_torchrun else [path, "--nprocs", "2"]
     launcher = subprocess.Popen(
         [sys.executable, *start, "--timeout", "60", *JOBS[script](dataset)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=script_env(**({"DDP_START_METHOD": start_method} if start_method else {})),
         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     family = []
     try:
@@ -76,9 +78,12 @@ def ends_promptly_and_whole(launcher, family, since, tracebacks_allowed=False):
     return stderr
 
 
-@pytest.mark.parametrize("script", sorted(JOBS))
-def test_killed_worker_stops_the_job(script, dataset):
-    with training_job(script, dataset) as (launcher, ranks, family):
+# Each case as the script starts its workers on this machine; the MNIST cases also with spawn, which
+# the scripts use where fork is unsafe (GPUs, threads) and which plain mp.spawn always uses.
+@pytest.mark.parametrize("script, start_method", [("gcn_ddp.py", None), ("mnist_ddp_cpu.py", None),
+                                                  ("mnist_ddp_cpu.py", "spawn")])
+def test_killed_worker_stops_the_job(script, start_method, dataset):
+    with training_job(script, dataset, start_method=start_method) as (launcher, ranks, family):
         ranks[-1].send_signal(signal.SIGKILL)
         stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
         assert launcher.returncode == 1
@@ -125,11 +130,13 @@ def test_ctrl_c_inside_a_finalizer_prints_no_traceback_in_a_worker(hook):
 
 # Ctrl-C in a terminal signals the whole process group; `kill -INT` or a scheduler's SIGTERM reach
 # the launcher alone, whose workers must then be stopped by the launcher (mp.spawn's join would
-# wait while they train on: it did before session 4).
-@pytest.mark.parametrize("script, how", [("mnist_ddp_cpu.py", "Ctrl-C"), ("mnist_ddp_cpu.py", "SIGINT"),
-                                         ("mnist_ddp_cpu.py", "SIGTERM"), ("gcn_ddp.py", "SIGINT")])
-def test_interrupted_job_stops_its_workers(script, how, dataset):
-    with training_job(script, dataset) as (launcher, ranks, family):
+# wait while they train on).
+@pytest.mark.parametrize("script, how, start_method", [
+    ("mnist_ddp_cpu.py", "Ctrl-C", None), ("mnist_ddp_cpu.py", "SIGINT", None),
+    ("mnist_ddp_cpu.py", "SIGTERM", None), ("gcn_ddp.py", "SIGINT", None),
+    ("mnist_ddp_cpu.py", "Ctrl-C", "spawn"), ("mnist_ddp_cpu.py", "SIGTERM", "spawn")])
+def test_interrupted_job_stops_its_workers(script, how, start_method, dataset):
+    with training_job(script, dataset, start_method=start_method) as (launcher, ranks, family):
         if how == "Ctrl-C":
             os.killpg(launcher.pid, signal.SIGINT)
         else:
@@ -149,11 +156,14 @@ def test_ctrl_c_under_torchrun_leaves_nothing(dataset):
         assert stderr.count("gcn_ddp.py: interrupted; all workers stopped") == 1, stderr
 
 
-def test_ctrl_c_while_the_workers_start_ends_quietly(dataset):
-    """The spawned workers spend their first seconds importing torch (longer on a slow shared
-    filesystem). Ctrl-C then must still end the job in one line, without a traceback per worker."""
-    with training_job("mnist_ddp_cpu.py", dataset, starting=True) as (launcher, ranks, family):
-        time.sleep(0.3)  # inside `import torch` (which takes over a second here)
+@pytest.mark.parametrize("start_method", ["spawn", None])
+def test_ctrl_c_while_the_workers_start_ends_quietly(start_method, dataset):
+    """Spawned workers spend their first seconds importing torch (longer on a slow shared
+    filesystem); forked ones, reading the data. Ctrl-C then must still end the job in one line,
+    without a traceback per worker."""
+    with training_job("mnist_ddp_cpu.py", dataset, starting=True, start_method=start_method) as (
+            launcher, ranks, family):
+        time.sleep(0.3)  # spawned: inside `import torch` (which takes over a second here)
         os.killpg(launcher.pid, signal.SIGINT)
         stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
         assert launcher.returncode == 130

@@ -33,11 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
     from tqdm import tqdm
-    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
-    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
-    tqdm.set_lock(threading.RLock())
+    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
 except ImportError:  # the progress bar is optional
-
     def tqdm(iterable, **kwargs):
         return iterable
 

@@ -23,6 +23,7 @@ import threading
 import time
 from datetime import timedelta
 from urllib.error import URLError
+from urllib.request import getproxies
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:
     from tqdm import tqdm
-    # A thread lock for its bars: tqdm's default, shared between processes, is a semaphore that a
-    # killed process cannot free, and Python then warns of "leaked semaphore objects" at exit.
-    tqdm.set_lock(threading.RLock())
+    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
 except ImportError:  # the progress bar is optional
-
     def tqdm(iterable, **kwargs):
         return iterable
 
@@ -69,11 +67,12 @@ def have_files(name, data_dir):
 
 def try_download(name, data_dir):
     """torchvision's own download; False (within seconds, not minutes) when offline."""
-    from torchvision import datasets
-
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(10)
     try:
+        if not getproxies():  # offline, this fails at once, before the import (a proxy looks it up)
+            socket.getaddrinfo("ossci-datasets.s3.amazonaws.com", 443)  # torchvision's MNIST mirror
+        from torchvision import datasets
         getattr(datasets, FOLDERS[name])(data_dir, train=True, download=True)  # train and test files
         return True
     except (RuntimeError, URLError, OSError):
@@ -142,7 +141,7 @@ def load_split(name, data_dir, train):
     prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
     images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
     mean, std = MEAN_STD[name]
-    images = images.float().div(255).sub(mean).div(std).unsqueeze(1)  # N x 1 x 28 x 28
+    images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
     return images, labels.long()
 
 
@@ -180,7 +179,7 @@ def evaluate(model, images, labels, rank, world_size):
     images, labels = images[rank::world_size], labels[rank::world_size]  # disjoint shards
     # On the GPU, and no .item() per batch: each would wait for the GPU. NCCL reduces GPU tensors.
     totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, count
-    for x, y in zip(images.split(1000), labels.split(1000)):
+    for x, y in zip(images.split(128), labels.split(128)):
         logits = model(x).float()
         totals[0] += F.cross_entropy(logits, y, reduction="sum")
         totals[1] += (logits.argmax(1) == y).sum()
