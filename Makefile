@@ -1,28 +1,41 @@
-# The course's two commands, `make demo` and `make test`, work from a fresh clone:
-# each creates .venv, installs the pinned requirements and prepares what it needs.
+# The course's commands work from a fresh clone: each creates .venv and installs what it needs,
+# in layers: `make demo` only what lessons 1-3 and 5-8 need; `make graph` adds PyG for lesson 4;
+# `make test` everything.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
-# Prebuilt wheels (torch-scatter, torch-sparse for lesson 4) when this folder exists; else they
-# are built from PyPI's sources (16 minutes for the whole `make setup` on 2 cores, measured).
-WHEELS := ../shared/wheels
-FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
+BASE   := $(VENV)/.installed-base
+DEV    := $(VENV)/.installed-dev
+GRAPH  := $(VENV)/.installed-graph
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup demo test test-quick notebooks bench gpu-check kaggle minimal figures clean
+.PHONY: setup base graph data demo test test-quick lab notebooks html bench gpu-check kaggle minimal \
+	figures clean
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-graph.txt constraints.txt
+$(BASE): requirements.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check \
-		-r requirements-dev.txt -c constraints.txt $(FIND_LINKS)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation \
-		-r requirements-graph.txt -c constraints.txt $(FIND_LINKS)
-	touch $(STAMP)
+	@echo "installing torch and the lessons' packages into $(VENV) (a few minutes the first time) ..."
+	$(PIP) -r requirements.txt
+	touch $(BASE)
 
-setup: $(STAMP)  ## virtual environment, packages, offline dataset fallback
+$(DEV): $(BASE) requirements-dev.txt
+	$(PIP) -r requirements-dev.txt
+	touch $(DEV)
+
+# PyG's sampler: prebuilt wheels from ../shared/wheels, else PyG's index, else compiled (announced).
+$(GRAPH): $(BASE) requirements-graph.txt tools/install_graph.py
+	$(PY) tools/install_graph.py
+	touch $(GRAPH)
+
+base: $(BASE)
+graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
+
+data:  ## the offline dataset fallback (Debian's Fashion-MNIST, where apt-get runs as root)
 	@bash tools/install_system_data.sh
 
-demo: setup  ## the main job: 2-process CPU DDP training of the ConvNet, one epoch
+setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset
+
+demo: $(BASE) data  ## the main job: 2-process CPU DDP training of the ConvNet, one epoch
 	$(PY) ddp_scripts/mnist_ddp_cpu.py --nprocs 2 --model convnet --epochs 1 --data-dir data
 
 test: setup  ## the whole test suite (what .ci/run runs)
@@ -31,10 +44,21 @@ test: setup  ## the whole test suite (what .ci/run runs)
 test-quick: setup  ## the test suite without the notebook runs (for development)
 	$(PY) -m pytest -m "not slow"
 
+# JupyterLab on notebooks/, its kernel the environment's own Python. As root, Jupyter refuses to
+# start without --allow-root: added only then. LAB_PORT=... picks the port (default 8888),
+# LAB_FLAGS=... adds Jupyter's own options (e.g. --no-browser on a remote machine).
+lab: $(BASE) $(DEV) data  ## open the course in JupyterLab (the notebooks, with this environment as kernel)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(LAB_PORT),--port=$(LAB_PORT)) \
+		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
+
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
 	$(PY) tools/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
-bench: setup  ## measured speed-ups on this machine (prints ratios, writes figures/ and build/bench/)
+html: $(DEV)  ## the notebooks executed by `make notebooks`, as HTML pages with an index, in build/html/
+	$(PY) tools/render_html.py
+
+bench: setup  ## measured start-up and speed-ups on this machine (prints ratios, writes figures/ and build/bench/)
+	$(PY) tools/bench_startup.py
 	$(PY) tools/bench.py
 	$(PY) tools/bench_comm.py
 	$(PY) tools/bench_gcn.py

@@ -23,11 +23,14 @@ def run(*args, check=True, memory=None):
     run("ddp_scripts/mnist_ddp_cpu.py", "--nprocs", 2) is what you would type in a terminal.
     With memory=PeakMemory(...), the command's process tree is watched while it runs. A command
     that fails raises (check=True) or returns its exit code (check=False); one that succeeds
-    returns None, so that a cell ending in run(...) shows only the command's output.
+    returns None, so that a cell ending in run(...) shows only the command's output. With
+    check=True, a course script that trains must also have printed its summary (the line that
+    starts with "done:"): exit code 0 without it means it did not train to the end.
     """
     argv = [str(a) for a in args]
     print("$ python " + " ".join(shlex.quote(a) for a in argv), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # each run picks a free port
+    done = False
     with subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, text=True, bufsize=1,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         if memory is not None:
@@ -35,6 +38,7 @@ def run(*args, check=True, memory=None):
         try:
             for line in proc.stdout:
                 print(line, end="", flush=True)
+                done = done or line.startswith("done:")
         except KeyboardInterrupt:  # the notebook's stop button: stop the run, do not wait for it
             stop(proc)
             raise
@@ -42,7 +46,20 @@ def run(*args, check=True, memory=None):
         memory.join()
     if check and proc.returncode != 0:
         raise RuntimeError(f"the command exited with code {proc.returncode} (its output is above)")
+    if check and trains(argv) and not done:
+        raise RuntimeError("the script ended without its 'done:' summary line: it did not train to "
+                           "the end (its output is above)")
     return None if check else proc.returncode
+
+
+def trains(argv):
+    """Whether `python <argv>` runs one of the course's training scripts, or an edited copy of one
+    (directly, or through torchrun), rather than --help or some other command."""
+    def course_script(arg):
+        path = (REPO / arg).resolve()
+        return arg.endswith(".py") and (path.parent in (SCRIPTS, SCRIPTS / "minimal") or path.parent == OUTPUT)
+
+    return any(course_script(a) for a in argv) and not {"-h", "--help"} & set(argv)
 
 
 def function_diff(before, after, name, context=1):
@@ -256,3 +273,23 @@ def output_path(name):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def edited_copy(script, edits, name):
+    """A copy of ddp_scripts/<script>, changed for an experiment, in notebooks/output/<name>.py;
+    the course's script itself stays as it is. `edits`: pairs (old, new) of text, each `old` found
+    exactly once (else ValueError: the script has changed, and the experiment must follow it).
+    Prints the change as a diff; returns the copy's path, to run() like any script."""
+    import difflib
+
+    source = (SCRIPTS / script).read_text()
+    text = source
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise ValueError(f"{script}: {old!r} occurs {text.count(old)} times, not once")
+        text = text.replace(old, new)
+    path = output_path(f"{name}.py")
+    path.write_text(text)
+    print("\n".join(difflib.unified_diff(source.splitlines(), text.splitlines(), f"ddp_scripts/{script}",
+                                         str(path.relative_to(REPO)), lineterm="", n=1)))
+    return path

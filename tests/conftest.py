@@ -19,6 +19,17 @@ SCRIPTS = REPO / "ddp_scripts"
 DATA_DIR = REPO / "data"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
+
+# The notebooks run as tests too (nbmake, testpaths in pyproject.toml): in smoke mode, tiny runs,
+# unless COURSE_SMOKE=0 is set (the kernels inherit this environment). A notebook fails when a cell
+# raises: its asserts, or course_helpers.run() finding a script failed or ended without "done:".
+os.environ.setdefault("COURSE_SMOKE", "1")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)  # make test-quick leaves the notebooks out
 # Offline for urllib (pass as script_env(**OFFLINE)): every download goes to a proxy on a port
 # where nothing listens.
 OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}

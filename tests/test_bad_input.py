@@ -98,3 +98,23 @@ def test_under_torchrun_a_refusal_is_said_once(script, args, expected, restarts)
     lines = [line for line in r.stderr.splitlines() if line.startswith(f"{script}: error:")]
     assert len(lines) == 1 and expected in lines[0], r.stderr
     assert "]: Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script", ["gcn_ddp.py", "gcn_single.py"])
+@pytest.mark.parametrize("missing, expected", [
+    ("torch_geometric", "torch_geometric is not installed: pip install torch_geometric"),
+    ("the sampler", "NeighborLoader needs pyg-lib or torch-sparse: pip install torch_geometric pyg_lib"),
+])
+def test_lesson_4_without_pyg_says_what_to_install(tmp_path, script, missing, expected):
+    """Where PyG, or its neighbour sampler, is not installed (`make demo` does not install it),
+    lesson 4's scripts say in one line what to install. A package of the same name, found first
+    on the path, stands in for what is missing."""
+    fake = tmp_path / "torch_geometric"
+    fake.mkdir()
+    if missing == "torch_geometric":
+        (fake / "__init__.py").write_text("raise ImportError('No module named torch_geometric')\n")
+    else:  # PyG without pyg-lib or torch-sparse
+        (fake / "__init__.py").write_text("")
+        (fake / "typing.py").write_text("WITH_PYG_LIB = False\nWITH_TORCH_SPARSE = False\n")
+    line = refused(script, "--device", "cpu", "--dataset", "synthetic", env=script_env(PYTHONPATH=tmp_path))
+    assert expected in line, line

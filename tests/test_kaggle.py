@@ -45,3 +45,34 @@ def test_code_cells_compile():
         if cell.cell_type == "code":
             source = cell.source.partition("\n")[2] if cell.source.startswith("%%") else cell.source
             compile(source, f"{NOTEBOOK.name} cell {i}", "exec")
+
+
+def slug(title):
+    """Kaggle's kernel slug: the title lowercased, runs of other characters turned into one dash."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def test_kernel_metadata_asks_for_two_t4s_and_its_title_matches_its_id():
+    meta = json.loads((KAGGLE / "kernel-metadata.json").read_text())
+    # enable_gpu alone has given a P100 ("GPU P100", one GPU); NvidiaTeslaT4 is "GPU T4 x2"
+    assert meta["machine_shape"] == "NvidiaTeslaT4"
+    assert slug(meta["title"]) == meta["id"].split("/", 1)[1]
+
+
+def test_scripts_are_collapsed_data_stays_out_of_the_output_and_shared_memory_is_checked():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    written = [c for c in code if c.source.startswith("%%writefile ")]
+    assert written and all(c.metadata.get("_kg_hide-input") is True
+                           and c.metadata["jupyter"]["source_hidden"] is True for c in written)
+    runs = "\n".join(c.source for c in code if c not in written)
+    assert '"--data-dir", "data"' not in runs and 'DATA = "/tmp/' in runs
+    # the shared-memory check comes before the first GCN run, and picks torchrun when it is short
+    check, first_gcn = runs.index("check_shared_memory"), runs.index('run("gcn_ddp.py"')
+    assert check < first_gcn and "NCCL_SHM_DISABLE" in runs
+    # pyg_lib only from PyG's index (it is not on PyPI); a failed install stops with one line
+    assert '"pyg_lib", "--no-index", "-f", index' in runs and "assert pip" not in runs
+    first = nb.cells[0].source
+    assert "have not been run" in first  # until someone runs it on Kaggle

@@ -1,18 +1,56 @@
-"""The notebooks: committed without outputs, parameterised for papermill, and they run (smoke mode)."""
+"""The notebooks: committed without outputs, parameterised for papermill, each run as a test by
+nbmake (smoke mode), with exercises and their solutions; and the tools that run them."""
 import re
 
 import nbformat
-import papermill
 import pytest
 from conftest import REPO
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-IDS = [nb.name for nb in NOTEBOOKS]
+LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SOLUTIONS = sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
+NOTEBOOKS = LESSONS + SOLUTIONS
+IDS = [str(nb.relative_to(REPO / "notebooks")) for nb in NOTEBOOKS]
+LESSON_IDS = [nb.name for nb in LESSONS]
 
 
 def test_lessons_are_numbered_in_reading_order():
-    numbers = [int(nb.name[:2]) for nb in NOTEBOOKS]
+    numbers = [int(nb.name[:2]) for nb in LESSONS]
     assert len(numbers) >= 2 and numbers == list(range(1, len(numbers) + 1))
+
+
+def headings(path, level="## "):
+    nb = nbformat.read(path, as_version=4)
+    return [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()
+            if line.startswith(level)]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_every_lesson_ends_with_exercises_and_their_solutions(path):
+    """The last section of each lesson: 2 to 4 numbered exercises, and a link to the lesson's
+    solutions notebook in notebooks/solutions/ (which the suite runs, as it runs the lessons)."""
+    assert headings(path)[-1] == "## Exercises"
+    nb = nbformat.read(path, as_version=4)
+    start = max(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Exercises" in c.source)
+    text = "\n".join(c.source for c in nb.cells[start:] if c.cell_type == "markdown")
+    exercises = re.findall(r"^(\d+)\. ", text.split("## Exercises", 1)[1], re.M)
+    assert 2 <= len(exercises) <= 4 and exercises == [str(i + 1) for i in range(len(exercises))], exercises
+    solutions = REPO / "notebooks" / "solutions" / f"{path.stem}_solutions.ipynb"
+    assert solutions.exists() and f"solutions/{solutions.name}" in text
+    assert len([h for h in headings(solutions) if h.startswith("## Exercise ")]) == len(exercises)
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_first_cell_says_how_long_and_on_what(path):
+    """A reader knows before running: the time in smoke mode and in full (measured on a 2-core
+    CPU), and the hardware each part needs."""
+    first = nbformat.read(path, as_version=4).cells[0]
+    assert first.cell_type == "markdown"
+    assert re.search(r"\*\*Time:\*\*.*smoke.*full", first.source, re.S), first.source[-600:]
+    assert "**Hardware:**" in first.source
+
+
+def test_every_solution_belongs_to_a_lesson():
+    assert {p.name for p in SOLUTIONS} == {f"{p.stem}_solutions.ipynb" for p in LESSONS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -22,8 +60,9 @@ def test_committed_without_outputs(path):
     nbformat.validate(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, \
-                f"{path.name}: clear outputs before committing (jupyter nbconvert --clear-output)"
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"{path.name}: clear outputs before committing "
+                f"(.venv/bin/jupyter nbconvert --clear-output --inplace {path.relative_to(REPO)})")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -43,18 +82,44 @@ def test_relative_links_point_to_files(path):
                 assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_runs_in_smoke_mode(path, tmp_path, dataset):
-    out = tmp_path / path.name
-    papermill.execute_notebook(str(path), str(out), cwd=str(path.parent), parameters={"SMOKE": True},
-                               kernel_name="python3", progress_bar=False, execution_timeout=600)
-    executed = nbformat.read(out, as_version=4)
-    code = [c for c in executed.cells if c.cell_type == "code"]
-    assert all(c.execution_count for c in code), "a cell did not run"
-    text = "".join(o.get("text", "") for c in code for o in c.outputs if o.get("output_type") == "stream")
-    assert "done:" in text  # the launched scripts ran to the end and printed their summary
+def test_every_notebook_runs_as_a_test():
+    """make test runs each notebook once, through nbmake (pyproject.toml: testpaths, --nbmake), in
+    smoke mode (tests/conftest.py); the lessons' solutions too."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "notebooks"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    collected = {line.split("::")[0] for line in r.stdout.splitlines() if ".ipynb::" in line}
+    expected = {str(p.relative_to(REPO)) for p in (REPO / "notebooks").rglob("*.ipynb")
+                if "output" not in p.parts and ".ipynb_checkpoints" not in p.parts}
+    assert expected and collected == expected, r.stdout + r.stderr
+
+
+def test_papermill_runs_a_notebook_with_its_parameters(tmp_path):
+    """make notebooks (tools/run_notebooks.py): papermill overrides the first cell's parameters,
+    the executed copy is written, a failing cell fails the run."""
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    parameters = nbformat.v4.new_code_cell("SMOKE = False")
+    parameters.metadata["tags"] = ["parameters"]
+    nb.cells = [parameters, nbformat.v4.new_code_cell("print(f'smoke={SMOKE}')")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "01_tiny.ipynb"
+    nbformat.write(nb, path)
+    out = tmp_path / "out"
+    runner = [sys.executable, str(REPO / "tools" / "run_notebooks.py"), "--out", str(out)]
+    r = subprocess.run([*runner, "--smoke", str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    executed = nbformat.read(out / path.name, as_version=4)
+    assert "smoke=True" in "".join(o.get("text", "") for o in executed.cells[-1].outputs)
+
+    nb.cells.append(nbformat.v4.new_code_cell("assert SMOKE is False, 'a cell that fails'"))
+    nbformat.write(nb, path)
+    r = subprocess.run([*runner, "--smoke", str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "a cell that fails" in r.stdout + r.stderr
 
 
 def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
@@ -115,3 +180,35 @@ def test_interrupting_a_run_stops_every_process_it_started():
     assert time.monotonic() - start < 20
     _, alive = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=5)
     assert not alive
+
+
+def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
+    """tools/render_html.py (make html): a page per executed notebook, its figures embedded (they
+    are found from notebooks/, where the notebook was written), links to other lessons turned
+    into links to their pages, and an index page listing every lesson by its title."""
+    import subprocess
+    import sys
+
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lesson 9: a title\n![flow](../figures/ddp_data_flow.png)\n"
+                                              "[the next lesson](10_next.ipynb)"),
+                nbformat.v4.new_code_cell("print('hi')", outputs=[
+                    nbformat.v4.new_output("stream", name="stdout", text="an output of the run\n")])]
+    nbformat.write(nb, executed / "09_a_title.ipynb")
+    out = tmp_path / "html"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(executed),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    page = (out / "09_a_title.html").read_text()
+    assert "an output of the run" in page and "data:image/png;base64," in page
+    assert 'href="10_next.html"' in page
+    index = (out / "index.html").read_text()
+    assert '<a href="09_a_title.html">Lesson 9: a title</a>' in index
+
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(empty),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "run `make notebooks`" in r.stderr

@@ -31,9 +31,13 @@ and switch **Internet on** (MNIST and ogbn-products, 1.4 GB, are downloaded once
 about five minutes for lessons 2 and 3, two each for lessons 5 and 6, then 15 to 25 for lesson 4 (download,
 processing, and the install of PyG's sampler if no prebuilt wheel matches the image's torch).
 
-The scripts below are the repository's own files (`ddp_scripts/`), written to the working
-directory by `%%writefile` cells; this notebook is generated from them by
-`tools/build_kaggle_notebook.py`, so do not edit those cells here."""
+**Where this has run.** The scripts are the course's own, tested on CPUs (every lesson) and on a
+machine with one GPU (lessons 3, 4 and 6; lesson 5 only before it gained `--deterministic`, which
+its cells here use). Two GPUs, and this notebook as a whole, have not been run yet, on Kaggle or
+elsewhere: if you run it, please report what you see.
+
+The data goes to `/tmp`, not to `/kaggle/working`: Kaggle keeps everything under
+`/kaggle/working` as the notebook's output, and ogbn-products alone takes several GB there."""
 
 CHECK_GPUS = """\
 import subprocess, sys
@@ -44,14 +48,19 @@ GPUS = torch.cuda.device_count()
 print(f"torch {torch.__version__}, {GPUS} GPU(s) visible")
 if GPUS < 2:
     raise SystemExit("This notebook needs two GPUs: "
-                     "Settings -> Accelerator -> 'GPU T4 x2', then run again.")"""
+                     "Settings -> Accelerator -> 'GPU T4 x2', then run again.")
+for i in range(GPUS):  # e.g. a P100 (sm_60), for which this image's torch may have no kernels
+    major, minor = torch.cuda.get_device_capability(i)
+    if f"sm_{major}{minor}" not in torch.cuda.get_arch_list():
+        raise SystemExit(f"torch {torch.__version__} has no kernels for {torch.cuda.get_device_name(i)} "
+                         f"(sm_{major}{minor}): Settings -> Accelerator -> 'GPU T4 x2', then run again.")"""
 
 INSTALL = """\
 # Kaggle's image ships torch and torchvision: install only what is missing, never torch itself.
 import importlib.util
 missing = [name for name in ("torchvision", "tqdm") if importlib.util.find_spec(name) is None]
-if missing:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *missing], check=True)
+if missing and subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *missing]).returncode:
+    raise SystemExit(f"pip could not install {missing}: is Internet on (Settings -> Internet)?")
 print("missing packages installed:", missing or "none")"""
 
 RUN_HELPER = """\
@@ -69,8 +78,19 @@ def run(*args):
         raise RuntimeError(f"exit code {proc.returncode}")
 
 EPOCHS = 3
+DATA = "/tmp/ddp-course-data"  # not in /kaggle/working, which Kaggle keeps as the notebook's output
 # prepare (download) the data once, before any run starts processes
-run("-c", "import mnist_single; print(mnist_single.prepare_data('auto', 'data'))")"""
+run("-c", f"import mnist_single; print(mnist_single.prepare_data('auto', {DATA!r}))")"""
+
+SCRIPTS_INTRO = """\
+## The course's scripts
+
+The next six cells write the course's scripts (`ddp_scripts/` in the repository, generated from
+them by `tools/build_kaggle_notebook.py`) to the working directory; their code is collapsed: expand
+a cell to read a script."""
+
+# Collapsed code: Kaggle's editor reads _kg_hide-input, JupyterLab source_hidden.
+HIDDEN = {"_kg_hide-input": True, "jupyter": {"source_hidden": True}}
 
 LESSON2 = """\
 ## Lesson 2 on Kaggle's CPUs: Gloo
@@ -92,14 +112,14 @@ for nprocs in (1, 2):
     for amp in ("off", "fp16"):
         path = f"gpu{nprocs}_{amp}.json"
         run("mnist_ddp_gpu.py", "--nprocs", nprocs, "--amp", amp, "--epochs", EPOCHS,
-            "--data-dir", "data", "--metrics-json", path)
+            "--data-dir", DATA, "--metrics-json", path)
         results[(nprocs, amp)] = json.load(open(path))["epochs"]
         print()"""
 
 TORCHRUN = """\
 # the same script under torchrun, which starts the two processes itself
 run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, "mnist_ddp_gpu.py",
-    "--epochs", 1, "--data-dir", "data")"""
+    "--epochs", 1, "--data-dir", DATA)"""
 
 TABLE = """\
 from IPython.display import Markdown
@@ -132,10 +152,10 @@ for path in ("snapshot.pt", "snapshot_clean.pt"):
     if os.path.exists(path):
         os.remove(path)  # start afresh each time the notebook runs
 run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, "--max-restarts", 1,
-    "mnist_ddp_resume.py", "--epochs", 3, "--crash-in-epoch", 2, "--deterministic", "--data-dir", "data",
+    "mnist_ddp_resume.py", "--epochs", 3, "--crash-in-epoch", 2, "--deterministic", "--data-dir", DATA,
     "--snapshot", "snapshot.pt", "--save", "resumed.pt")
 print()
-run("mnist_ddp_resume.py", "--nprocs", 2, "--epochs", 3, "--deterministic", "--data-dir", "data",
+run("mnist_ddp_resume.py", "--nprocs", 2, "--epochs", 3, "--deterministic", "--data-dir", DATA,
     "--snapshot", "snapshot_clean.pt", "--save", "uninterrupted.pt")
 a, b = torch.load("resumed.pt"), torch.load("uninterrupted.pt")
 difference = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -163,7 +183,7 @@ for name, nprocs, flags in [("1 GPU", 1, []), ("2 GPUs", 2, []),
                             ("2 GPUs, --comm-hook fp16", 2, ["--comm-hook", "fp16"])]:
     path = f"comm_{len(comm)}.json"
     run("mnist_ddp_comm.py", "--nprocs", nprocs, "--model", "mlp", "--epochs", 2, "--quiet",
-        "--data-dir", "data", "--metrics-json", path, *flags)
+        "--data-dir", DATA, "--metrics-json", path, *flags)
     comm[name] = json.load(open(path))
 ips = {name: m["epochs"][-1]["images_per_second"] for name, m in comm.items()}
 baseline = {name: "1 GPU, --accum-steps 4" if "accum" in name else "1 GPU" for name in comm}
@@ -197,29 +217,56 @@ def pip(*args):
     return ok
 
 missing = [name for name in ("torch_geometric", "ogb") if importlib.util.find_spec(name) is None]
-if missing:
-    pip(*missing)
+if missing and not pip(*missing):
+    raise SystemExit(f"pip could not install {missing}: is Internet on (Settings -> Internet)?")
 if not any(importlib.util.find_spec(name) for name in ("pyg_lib", "torch_sparse")):
     version = re.match(r"\d+\.\d+", torch.__version__).group(0)
     cuda = "cu" + torch.version.cuda.replace(".", "") if torch.version.cuda else "cpu"
     index = f"https://data.pyg.org/whl/torch-{version}.0+{cuda}.html"
-    if not pip("pyg_lib", "-f", index):
+    # pyg_lib is not on PyPI: only PyG's index, for exactly this torch and CUDA, has it
+    if not pip("pyg_lib", "--no-index", "-f", index):
         print(f"no pyg_lib wheel at {index}: building torch-scatter and torch-sparse (CPU-only), "
               "about 15 minutes", flush=True)
         os.environ["FORCE_ONLY_CPU"] = "1"
-        assert pip("--no-build-isolation", "torch-scatter", "torch-sparse")
+        if not pip("--no-build-isolation", "torch-scatter", "torch-sparse"):
+            raise SystemExit("no neighbour sampler: pyg_lib has no wheel for this image and "
+                             "torch-sparse did not build (its error is above)")
 print("sampler:", "pyg_lib" if importlib.util.find_spec("pyg_lib") else "torch_sparse")'''.strip()
 
-PREPARE_GRAPH = """\
-# download (1.4 GB) and process ogbn-products once, before any run starts processes
-run("-c", "import gcn_ddp; data, split, _ = gcn_ddp.ogbn_products('data'); print(data)")"""
+PREPARE_GRAPH = r'''
+# Download (1.4 GB) and process ogbn-products once, before any run starts processes. Then check
+# /dev/shm, where mp.spawn's ranks share the graph (about 3 GB; Kaggle does not document its size):
+# when it is too small, the ranks are started by torchrun instead, which map the graph from a file
+# on disk, and NCCL is told not to use shared memory between the GPUs' processes either.
+run("-c", f"""
+import json, gcn_ddp
+data, split, _ = gcn_ddp.ogbn_products({DATA!r})
+print(data)
+try:
+    gcn_ddp.check_shared_memory(data, split)
+    short = None
+except gcn_ddp.UsageError as err:
+    short = str(err)
+json.dump(short, open("shm.json", "w"))
+""")
+SHM_SHORT = json.load(open("shm.json"))
+if SHM_SHORT:
+    os.environ["NCCL_SHM_DISABLE"] = "1"
+    print(f"/dev/shm is too small ({SHM_SHORT.split(': give')[0]}): the GCN runs under torchrun, "
+          "the graph mapped from disk, with NCCL_SHM_DISABLE=1")
+else:
+    print("the graph fits in /dev/shm: the GCN's ranks share it there (mp.spawn)")'''.strip()
 
 GCN_RUNS = r'''
 gcn = {}
 for nprocs in (1, 2):
     path = f"gcn{nprocs}.json"
-    run("gcn_ddp.py", "--dataset", "ogbn-products", "--data-dir", "data", "--nprocs", nprocs,
-        "--epochs", 2, "--eval-nodes", 50000, "--num-workers", 1, "--metrics-json", path)
+    flags = ["--dataset", "ogbn-products", "--data-dir", DATA, "--epochs", 2, "--eval-nodes", 50000,
+             "--num-workers", 1, "--metrics-json", path]
+    if SHM_SHORT:
+        run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nprocs, "gcn_ddp.py", *flags)
+    else:
+        run("gcn_ddp.py", "--nprocs", nprocs, *flags)
     gcn[nprocs] = json.load(open(path))["epochs"]
     print()
 
@@ -238,12 +285,14 @@ Markdown("| GPUs | epoch s (second epoch) | sampled nodes/s | test accuracy (50,
 
 def build():
     cells = [new_markdown_cell(INTRO), new_code_cell(CHECK_GPUS), new_code_cell(INSTALL),
-             new_markdown_cell("## The course's scripts")]
+             new_markdown_cell(SCRIPTS_INTRO)]
     for name in SCRIPTS:
         source = (REPO / "ddp_scripts" / name).read_text()
-        cells.append(new_code_cell(f"%%writefile {name}\n{source.rstrip()}"))
+        cell = new_code_cell(f"%%writefile {name}\n{source.rstrip()}")
+        cell.metadata.update(HIDDEN)
+        cells.append(cell)
     cells += [new_code_cell(RUN_HELPER), new_markdown_cell(LESSON2),
-              new_code_cell('run("mnist_ddp_cpu.py", "--nprocs", 2, "--epochs", 1, "--data-dir", "data")'),
+              new_code_cell('run("mnist_ddp_cpu.py", "--nprocs", 2, "--epochs", 1, "--data-dir", DATA)'),
               new_markdown_cell(LESSON3), new_code_cell(GPU_RUNS), new_code_cell(TORCHRUN),
               new_code_cell(TABLE), new_markdown_cell(LESSON5), new_code_cell(RESUME_RUNS),
               new_markdown_cell(LESSON6), new_code_cell(COMM_RUNS),

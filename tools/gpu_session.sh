@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# For maintainers lent a GPU machine for a few minutes, offline (docs/MAINTAINERS.md, "GPU checks"):
+# The course's GPU checks on an offline GPU machine that starts bare (docs/MAINTAINERS.md, "GPU
+# checks"), in one run:
 #
-#   bash tools/gpu_session.sh prepare   # here: the data, and PyG's sampler sources into .device/
-#   bash tools/gpu_session.sh run       # there, in ONE device call that carries data and .device
+#   bash tools/gpu_session.sh prepare   # on a set-up machine: the data, PyG's sampler sources in .device/
+#   bash tools/gpu_session.sh run       # on the GPU machine, with data/ and .device/ copied beside it
 #
 # `run` builds torch-scatter and torch-sparse there (CPU-only: the sampler runs on the CPU) when
 # neither pyg-lib nor torch-sparse can be imported, and meanwhile runs lessons 5 and 6's GPU tests;
 # then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then notebook 03's code cells.
-# Logs go to $OUT (the device tool's folder that comes back) or build/gpu-session. Exits non-zero
+# Logs go to $OUT when it is set, else build/gpu-session. Exits non-zero
 # if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,14 +18,14 @@ case "${1:-}" in
 prepare)
     grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >>.git/info/exclude
     mkdir -p .device
-    # Sources, not wheels: no wheel here fits the device's Python and torch. Their metadata step
+    # Sources, not wheels: no wheel here fits the GPU machine's Python and torch. Their metadata step
     # imports torch, hence the venv's Python without build isolation.
     .venv/bin/python -m pip download --quiet --no-deps --no-build-isolation --no-binary :all: \
         -d .device torch-scatter torch-sparse || exit 1
     .venv/bin/python -c "import sys; sys.path.insert(0, 'ddp_scripts'); import mnist_single; \
 print('dataset in data/:', mnist_single.prepare_data('auto', 'data', verbose=False))" || exit 1
     du -sh .device data
-    echo 'next: run "bash tools/gpu_session.sh run" on the device with carry [".device", "data"]'
+    echo 'next: copy .device/ and data/ to the GPU machine and run "bash tools/gpu_session.sh run" there'
     ;;
 run)
     out=${OUT:-build/gpu-session}
@@ -52,7 +53,8 @@ run)
         done
     fi
     # While the sampler builds: lesson 5 first (its --deterministic GPU test has not run on a GPU
-    # yet), then lesson 6. Lesson 3's GPU tests passed on the H200 in session 2: not repeated.
+    # yet), then lesson 6. Lesson 3's GPU tests (tests/test_gpu_script.py) have passed on a GPU
+    # before and are left out, to keep the run short.
     echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
     PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_resume.py -k gpus \
         2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
@@ -65,7 +67,7 @@ run)
         for site in /tmp/site-*; do PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}; done
         export PYTHONPATH
     fi
-    # Lesson 4 needs the sampler. Time limits keep the whole call inside the device's 10 minutes.
+    # Lesson 4 needs the sampler. Time limits keep the whole run within about 10 minutes.
     if $PY -c "$have_sampler"; then
         echo "== $(date +%T) GPU tests (lesson 4)"
         PYTHONUNBUFFERED=1 timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_gcn.py -k nccl_on_gpus \
@@ -77,7 +79,7 @@ run)
         failed+=(sampler-build)
         tail -n 5 "$out"/build-*.log
     fi
-    # Last: notebook 03's cells (all passed in session 10), to keep the call inside 10 minutes.
+    # Last: notebook 03's cells (they have passed on a GPU before), so that they cannot delay the rest.
     echo "== $(date +%T) notebook 03, code cells in plain Python"
     PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
         2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)

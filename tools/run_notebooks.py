@@ -28,7 +28,8 @@ def main():
     for nb in notebooks:
         nb = nb.resolve()
         start = time.perf_counter()
-        print(f"running {nb.relative_to(REPO)} (SMOKE={args.smoke}) ...", flush=True)
+        shown = nb.relative_to(REPO) if nb.is_relative_to(REPO) else nb
+        print(f"running {shown} (SMOKE={args.smoke}) ...", flush=True)
         try:
             papermill.execute_notebook(str(nb), str(args.out / nb.name), cwd=str(nb.parent),
                                        parameters={"SMOKE": args.smoke}, kernel_name="python3",
