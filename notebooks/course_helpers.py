@@ -57,7 +57,12 @@ def trains(argv):
     (directly, or through torchrun), rather than --help or some other command."""
     def course_script(arg):
         path = (REPO / arg).resolve()
-        return arg.endswith(".py") and (path.parent in (SCRIPTS, SCRIPTS / "minimal") or path.parent == OUTPUT)
+        if not arg.endswith(".py"):
+            return False
+        if path.parent in (SCRIPTS, SCRIPTS / "minimal"):
+            return True
+        # an edited copy of a training script (edited_copy), not some other small script
+        return path.parent == OUTPUT and path.is_file() and 'print(f"done: ' in path.read_text()
 
     return any(course_script(a) for a in argv) and not {"-h", "--help"} & set(argv)
 

@@ -179,7 +179,19 @@ def test_more_processes_can_take_over_a_snapshot(tmp_path, data_args, uninterrup
     r = run_script(SCRIPT, *CPU, "--model", "linear", "--epochs", 4, *data_args, "--nprocs", 3,
                    "--snapshot", snapshot, "--metrics-json", tmp_path / "m.json")
     assert r.returncode == 0, r.stderr
-    assert "(taken with 2 processes; now 3: the global batch is now 192" in r.stdout
+    assert "(taken with 2 processes; now 3: the global batch is 192, the snapshot's was 128" in r.stdout
+    assert [e["epoch"] for e in read_metrics(tmp_path / "m.json")["epochs"]] == [1, 2, 3, 4]
+
+
+def test_fewer_processes_with_the_same_global_batch_take_over_a_snapshot(tmp_path, data_args, uninterrupted):
+    """2 processes x 64 snapshotted; 1 process x 128 continues it (the faithful continuation on
+    fewer processes), while 1 x 64 (the global batch halved) would also be accepted, with its note."""
+    snapshot = tmp_path / "s.pt"
+    shutil.copy(uninterrupted.parent / "s.pt", snapshot)
+    r = run_script(SCRIPT, *CPU, "--model", "linear", "--epochs", 4, *data_args, "--nprocs", 1,
+                   "--batch-size", 128, "--snapshot", snapshot, "--metrics-json", tmp_path / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert "now 1: the global batch is 128, the snapshot's was 128" in r.stdout
     assert [e["epoch"] for e in read_metrics(tmp_path / "m.json")["epochs"]] == [1, 2, 3, 4]
 
 

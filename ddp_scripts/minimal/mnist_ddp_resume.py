@@ -248,8 +248,9 @@ def train(rank, local_rank, world_size, args):
                 torch.cuda.set_rng_state(snapshot["rng"][rank]["cuda"], device)
         log(f"resuming from {args.snapshot}: epoch {snapshot['epoch']} done, {steps} steps"
             + ("" if snapshot["world_size"] == world_size else
-               f" (taken with {snapshot['world_size']} processes; now {world_size}: the global "
-               f"batch is now {args.batch_size * world_size}, and dropout draws anew)"), flush=True)
+               f" (taken with {snapshot['world_size']} processes; now {world_size}: the global batch "
+               f"is {args.batch_size * world_size}, the snapshot's was "
+               f"{snapshot['args']['batch_size'] * snapshot['world_size']}, and dropout draws anew)"), flush=True)
 
     # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
     #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
@@ -337,7 +338,8 @@ SNAPSHOT_MUST_MATCH = ("model", "dataset", "batch_size", "seed", "no_shuffle", "
 
 def read_snapshot(args):
     """The snapshot at args.snapshot, None if there is none; refuses one that this run cannot
-    continue (another model, batch size, ...: the run would no longer be the one interrupted)."""
+    continue (another model, another batch per process and global batch, ...: the run would no
+    longer be the one interrupted)."""
     if not os.path.exists(args.snapshot):
         return None
     try:
@@ -346,8 +348,12 @@ def read_snapshot(args):
     except Exception as err:  # a truncated file, or not a snapshot of this script
         raise UsageError(f"cannot resume from {args.snapshot}: not a snapshot that this script can read "
                          f"({type(err).__name__}); delete it to start afresh") from None
+    # The batch per process may change with the number of processes if the global batch does not.
+    same_global_batch = (taken_with["batch_size"] * snapshot["world_size"]
+                         == args.batch_size * int(os.environ.get("WORLD_SIZE", args.nprocs)))
     changed = [flag(key, taken_with[key]) for key in SNAPSHOT_MUST_MATCH
-               if taken_with[key] != getattr(args, key) and not (key == "dataset" and args.dataset == "auto")]
+               if taken_with[key] != getattr(args, key) and not (key == "dataset" and args.dataset == "auto")
+               and not (key == "batch_size" and same_global_batch)]
     if changed:
         raise UsageError(f"{args.snapshot} was taken with {', '.join(changed)}: run with the same, "
                          f"or delete it to start afresh")
