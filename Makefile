@@ -44,11 +44,16 @@ test: setup  ## the whole test suite (what .ci/run runs)
 test-quick: setup  ## the test suite without the notebook runs (for development)
 	$(PY) -m pytest -m "not slow"
 
-# JupyterLab on notebooks/, its kernel the environment's own Python. As root, Jupyter refuses to
-# start without --allow-root: added only then. LAB_PORT=... picks the port (default 8888),
-# LAB_FLAGS=... adds Jupyter's own options (e.g. --no-browser on a remote machine).
+# JupyterLab on notebooks/, its kernel the environment's own Python: the kernelspec "python3" is
+# written into .venv with this interpreter's absolute path, and .venv's Jupyter folder goes first
+# on JUPYTER_PATH, so that a "python3" kernelspec in the user's own folders (another Python) does
+# not take its place. As root, Jupyter refuses to start without --allow-root: added only then.
+# LAB_PORT=... picks the port (default 8888), LAB_FLAGS=... adds Jupyter's own options (e.g.
+# --no-browser on a remote machine).
 lab: $(BASE) $(DEV) data  ## open the course in JupyterLab (the notebooks, with this environment as kernel)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(LAB_PORT),--port=$(LAB_PORT)) \
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course .venv)" >/dev/null
+	JUPYTER_PATH="$(CURDIR)/$(VENV)/share/jupyter$${JUPYTER_PATH:+:$$JUPYTER_PATH}" \
+		$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(LAB_PORT),--port=$(LAB_PORT)) \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
 
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)

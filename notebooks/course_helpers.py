@@ -4,6 +4,8 @@ Why launch scripts instead of calling functions: DDP starts N fresh Python proce
 must import the code it runs from a file. A notebook kernel has no such file (its __main__ is the
 kernel), so the notebooks run the scripts in a subprocess and stream what they print.
 """
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -298,3 +300,43 @@ def edited_copy(script, edits, name):
     print("\n".join(difflib.unified_diff(source.splitlines(), text.splitlines(), f"ddp_scripts/{script}",
                                          str(path.relative_to(REPO)), lineterm="", n=1)))
     return path
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two state_dicts, over every weight."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class Captured(io.StringIO):
+    """What a cell prints: shown as usual, and kept for the asserts (run() and run_machines()
+    print their commands' output line by line, and return only exit codes)."""
+
+    def __init__(self, shown):
+        super().__init__()
+        self.shown = shown
+
+    def write(self, text):
+        self.shown.write(text)
+        return super().write(text)
+
+    def flush(self):
+        self.shown.flush()
+
+    @property
+    def text(self):
+        return self.getvalue()
+
+
+@contextlib.contextmanager
+def captured():
+    """with captured() as out: run(...); then out.text holds what was printed."""
+    out = Captured(sys.stdout)
+    with contextlib.redirect_stdout(out):
+        yield out
+
+
+def run_captured(*args, **kwargs):
+    """run(), and also the text the command printed, for the asserts: (run's result, text)."""
+    with captured() as out:
+        result = run(*args, **kwargs)
+    return result, out.text

@@ -32,7 +32,15 @@ def free_port():
 def test_make_lab_serves_the_notebooks_with_this_environment_as_kernel(tmp_path):
     port, token = free_port(), "course-test"
     flags = f"--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.runtime_dir={tmp_path}"
-    env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
+    # A "python3" kernelspec of another Python in the user's own Jupyter folder, as many machines
+    # have: the course's environment must still be the kernel.
+    decoy = tmp_path / "data" / "kernels" / "python3"
+    decoy.mkdir(parents=True)
+    (decoy / "kernel.json").write_text(json.dumps({
+        "argv": ["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "another Python", "language": "python"}))
+    env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTER_DATA_DIR": str(tmp_path / "data")}
     server = subprocess.Popen(["make", "-s", "lab", f"LAB_PORT={port}", f"LAB_FLAGS={flags}"], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                               start_new_session=True)
@@ -54,6 +62,7 @@ def test_make_lab_serves_the_notebooks_with_this_environment_as_kernel(tmp_path)
         assert {p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")} <= names
         specs = api("kernelspecs")
         kernel = specs["kernelspecs"][specs["default"]]["spec"]
+        assert specs["default"] == "python3", specs["default"]
         assert Path(kernel["argv"][0]).parent == REPO / ".venv" / "bin", kernel  # this environment
     finally:
         os.killpg(server.pid, signal.SIGTERM)

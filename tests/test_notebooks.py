@@ -49,6 +49,26 @@ def test_first_cell_says_how_long_and_on_what(path):
     assert "**Hardware:**" in first.source
 
 
+def stated_times(path):
+    """(smoke, full) as the lesson's first cell states them, e.g. ("20 s", "2.5 min")."""
+    first = nbformat.read(path, as_version=4).cells[0].source
+    found = re.search(r"\*\*Time:\*\* about ([\d.]+ (?:s|minutes?)) in smoke mode \(`SMOKE = True`\) "
+                      r"and ([\d.]+ (?:s|minutes?)) in full", first)
+    assert found, first[-400:]
+    return tuple(re.sub(r" minutes?", " min", t) for t in found.groups())
+
+
+def test_readme_gives_each_lessons_times_as_its_notebook_does():
+    """The README's lesson table and the notebooks' first cells quote the same measurement."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) <= 12_000, "README.md is over 12 KB: move detail to docs/"
+    for path in LESSONS:
+        row = re.search(rf"^\| {int(path.name[:2])} \| \[.*\| ([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min)) \|$",
+                        readme, re.M)
+        assert row, f"README.md's lesson table has no time for {path.name}"
+        assert (row[1], row[2]) == stated_times(path), path.name
+
+
 def test_every_solution_belongs_to_a_lesson():
     assert {p.name for p in SOLUTIONS} == {f"{p.stem}_solutions.ipynb" for p in LESSONS}
 
@@ -180,6 +200,22 @@ def test_interrupting_a_run_stops_every_process_it_started():
     assert time.monotonic() - start < 20
     _, alive = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=5)
     assert not alive
+
+
+def test_captured_output_is_shown_and_kept(capsys):
+    """The solutions' asserts read what a run printed: it is still shown under the cell, and kept."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "notebooks"))
+    from course_helpers import captured, run_captured
+
+    result, text = run_captured("-c", "print('first'); print('second')")
+    assert text.splitlines()[-2:] == ["first", "second"]
+    with captured() as out:
+        print("third")
+    assert out.text == "third\n"
+    shown = capsys.readouterr().out
+    assert "second" in shown and "third" in shown
 
 
 def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
