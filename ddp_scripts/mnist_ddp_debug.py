@@ -195,8 +195,11 @@ class Watchdog:
             if idle >= self.seconds and not self.reported:
                 self.reported = True  # once per stall
                 frames = traceback.extract_stack(sys._current_frames()[self.main])[-6:]
-                print(f"watchdog: rank {self.rank} has made no progress for {idle:.0f} s; it is at:\n"
-                      + "".join(traceback.format_list(frames)), file=sys.stderr, flush=True)
+                report = "".join(traceback.format_list(frames))
+                # One write, so that two ranks' reports cannot interleave on a shared terminal or pipe.
+                sys.stderr.write(f"watchdog: rank {self.rank} has made no progress for {idle:.0f} s; "
+                                 f"it is at:\n{report}\n")
+                sys.stderr.flush()
 
     def stop(self):
         self.stopped.set()

@@ -40,7 +40,7 @@ def product():
     y @ y
 child = multiprocessing.get_context("fork").Process(target=product)
 child.start()
-child.join(20)
+child.join(8)  # the product takes milliseconds: still running after 8 s is a hang
 print("hung" if child.is_alive() else "finished")
 child.kill()
 """
