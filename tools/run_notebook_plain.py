@@ -1,6 +1,7 @@
 """Execute a notebook's code cells in one plain Python process, for a machine without Jupyter (a
 GPU machine with only torch and the course's scripts: no papermill, no IPython). `IPython.display`
-is replaced by a stand-in that prints; the working directory is the notebook's folder, as under `make notebooks`.
+is replaced by a stand-in that prints; the working directory is the notebook's folder, as under
+`make notebooks`.
 
     python tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb [--smoke]
 
