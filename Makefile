@@ -33,7 +33,8 @@ graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
 data:  ## the offline dataset fallback (Debian's Fashion-MNIST, where apt-get runs as root)
 	@bash tools/install_system_data.sh
 
-setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset
+setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset, test browser
+	@bash tools/install_browser.sh
 
 demo: $(BASE) data  ## the main job: 2-process CPU DDP training of the ConvNet, one epoch
 	$(PY) ddp_scripts/mnist_ddp_cpu.py --nprocs 2 --model convnet --epochs 1 --data-dir data
@@ -44,16 +45,19 @@ test: setup  ## the whole test suite (what .ci/run runs)
 test-quick: setup  ## the test suite without the notebook runs (for development)
 	$(PY) -m pytest -m "not slow"
 
-# JupyterLab on notebooks/, its kernel the environment's own Python: the kernelspec "python3" is
-# written into .venv with this interpreter's absolute path, and .venv's Jupyter folder goes first
-# on JUPYTER_PATH, so that a "python3" kernelspec in the user's own folders (another Python) does
-# not take its place. As root, Jupyter refuses to start without --allow-root: added only then.
+# JupyterLab on the repository, opened at notebooks/: the lessons' links and figures point into
+# ../ddp_scripts, ../figures, ..., which a server rooted at notebooks/ would not serve. Its kernel
+# is the environment's own Python: the kernelspec "python3" is written into .venv with this
+# interpreter's absolute path, and .venv's Jupyter folder goes first on JUPYTER_PATH, so that a
+# "python3" kernelspec in the user's own folders (another Python) does not take its place. As root,
+# Jupyter refuses to start without --allow-root: added only then.
 # LAB_PORT=... picks the port (default 8888), LAB_FLAGS=... adds Jupyter's own options (e.g.
 # --no-browser on a remote machine).
 lab: $(BASE) $(DEV) data  ## open the course in JupyterLab (the notebooks, with this environment as kernel)
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course .venv)" >/dev/null
 	JUPYTER_PATH="$(CURDIR)/$(VENV)/share/jupyter$${JUPYTER_PATH:+:$$JUPYTER_PATH}" \
-		$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(LAB_PORT),--port=$(LAB_PORT)) \
+		$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/notebooks \
+		$(if $(LAB_PORT),--port=$(LAB_PORT)) \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
 
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
@@ -81,6 +85,18 @@ figures: setup  ## redraw the figures that do not need a benchmark run
 	$(PY) tools/draw_data_flow.py
 	$(PY) tools/draw_ddp_diagram.py
 	$(PY) tools/draw_sampled_batch.py
+
+study-times: $(DEV)  ## rewrite each lesson's study-time estimate (and the README's) from its words and exercises
+	$(PY) tools/study_time.py --write
+
+# Two machines on this one (root only, standard library): network namespaces host0 and host1
+# (10.77.0.1, 10.77.0.2), each with its own hostname; `python3 tools/netlab.py run host0 -- CMD`.
+.PHONY: netlab-up netlab-down
+netlab-up:  ## two lab hosts joined by one link (RATE=1gbit caps its bandwidth; root only)
+	$(PYTHON) tools/netlab.py up $(if $(RATE),--rate $(RATE))
+
+netlab-down:  ## remove the lab and every process still running in it
+	$(PYTHON) tools/netlab.py down
 
 clean:
 	rm -rf build notebooks/output .pytest_cache

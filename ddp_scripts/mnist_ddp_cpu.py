@@ -526,14 +526,13 @@ def prepare_in_turns(prepare, args, rank):
     where rank 0's files are not visible (no shared filesystem). Then all the others, which find
     the files in place. A turn ends when every rank knows that it went well; an error in any rank
     stops all of them with its one line. A first download can outlast --timeout, so the turns get
-    a process group with a timeout of their own (--prepare-timeout). Returns rank 0's choice."""
-    group = dist.new_group(timeout=timedelta(seconds=args.prepare_timeout))
+    a process group with a timeout of their own (--prepare-timeout), a Gloo one whatever the
+    training backend: the waiting ranks wait on the CPU, not in a GPU collective (Gloo connects
+    the group here, while no rank is busy). Returns rank 0's choice."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.prepare_timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     outcomes, choice = [None] * dist.get_world_size(), args.dataset
     try:
-        # A first exchange while no rank is busy: NCCL connects a new group at its first
-        # collective, through the rendezvous store, whose waits are bounded by --timeout.
-        dist.all_gather_object(outcomes, None, group=group)
         for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
             error = None
             if mine:
@@ -541,7 +540,7 @@ def prepare_in_turns(prepare, args, rank):
                     choice = prepare(choice, args.data_dir, verbose=not args.quiet)
                 except UsageError as err:
                     error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
-            dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
+            dist.all_gather_object(outcomes, (error, choice), group=group)
             errors = [e for e, _ in outcomes if e]
             if errors:
                 raise UsageError(errors[0])
@@ -567,13 +566,18 @@ def spawned_worker(rank, worker, stop, *worker_args):
     sys.unraisablehook = quiet_interrupt_in_finalizer
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the launcher's handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not stop.is_set():
-        try:
-            worker(rank, *worker_args)
-        except UsageError as err:
-            said_once(err, rank)
-        finally:
-            exit_sooner()
+    try:
+        if not stop.is_set():
+            try:
+                worker(rank, *worker_args)
+            except UsageError as err:
+                said_once(err, rank)
+    finally:
+        # Deaf again: an interrupted worker gets a second SIGINT (the terminal's, then the
+        # launcher's), and one that lands after mp.spawn's wrapper has caught the first, on the
+        # way out, would print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        exit_sooner()
 
 
 def native_threads():

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, TensorDataset
+from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:
@@ -218,7 +218,8 @@ def train(rank, local_rank, world_size, args):
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
-    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler.
+    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
+    # which reads back from the GPU whether a gradient overflowed: one synchronisation per step.
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -254,7 +255,6 @@ def train(rank, local_rank, world_size, args):
     train_set = TensorDataset(train_images, train_labels)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=not args.no_shuffle, seed=args.seed)
-    batches = BatchSampler(sampler, batch_size=args.batch_size, drop_last=False)  # index lists
 
     log(f"training {args.model} on {args.dataset}: {world_size} processes on "
         f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
@@ -265,15 +265,16 @@ def train(rank, local_rank, world_size, args):
         if args.max_steps is not None and steps >= args.max_steps:  # the snapshot may be past it
             break
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
+        batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
         bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
                    disable=rank != 0 or args.quiet or not sys.stdout.isatty())
-        for step_in_epoch, indices in enumerate(bar):
+        for step_in_epoch, index in enumerate(bar):
             if (epoch == args.crash_in_epoch and epoch > first_epoch and rank == world_size - 1
                     and step_in_epoch == len(batches) // 2):
                 crash(rank, epoch)  # for the lesson; only in an attempt that began before this epoch
-            index = torch.tensor(indices, device=device)
             x, y = train_images[index], train_labels[index]
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -281,7 +282,7 @@ def train(rank, local_rank, world_size, args):
             scaler.scale(loss).backward()  # 4. DDP all-reduces (averages) the gradients here
             scaler.step(optimizer)  # ... so every rank takes the same step and the replicas stay equal
             scaler.update()
-            loss_sum += loss.detach() * len(y)  # stays on the GPU: no synchronisation per step
+            loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
             seen += len(y)
             steps += 1
             if steps == args.max_steps:
@@ -395,6 +396,7 @@ def save_snapshot(args, epoch, steps, model, optimizer, scaler, history, device)
                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                 "rng": every_rng, "history": history}
     partial = f"{args.snapshot}.{socket.gethostname()}.{os.getpid()}.part"  # machines may share a disk
+    remove_stale_parts(args.snapshot)  # plain: nothing
     try:
         with open(partial, "wb") as f:
             torch.save(snapshot, f)
@@ -463,13 +465,13 @@ def check_device(args, gpu=0):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
-                         f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
+    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
                          f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
+                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
 
 
 def check_setup(args, rank):
@@ -734,14 +736,13 @@ def prepare_in_turns(prepare, args, rank):
     where rank 0's files are not visible (no shared filesystem). Then all the others, which find
     the files in place. A turn ends when every rank knows that it went well; an error in any rank
     stops all of them with its one line. A first download can outlast --timeout, so the turns get
-    a process group with a timeout of their own (--prepare-timeout). Returns rank 0's choice."""
-    group = dist.new_group(timeout=timedelta(seconds=args.prepare_timeout))
+    a process group with a timeout of their own (--prepare-timeout), a Gloo one whatever the
+    training backend: the waiting ranks wait on the CPU, not in a GPU collective (Gloo connects
+    the group here, while no rank is busy). Returns rank 0's choice."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.prepare_timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     outcomes, choice = [None] * dist.get_world_size(), args.dataset
     try:
-        # A first exchange while no rank is busy: NCCL connects a new group at its first
-        # collective, through the rendezvous store, whose waits are bounded by --timeout.
-        dist.all_gather_object(outcomes, None, group=group)
         for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
             error = None
             if mine:
@@ -749,7 +750,7 @@ def prepare_in_turns(prepare, args, rank):
                     choice = prepare(choice, args.data_dir, verbose=not args.quiet)
                 except UsageError as err:
                     error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
-            dist.all_gather_object(outcomes, (error, choice), group=group)  # NCCL: via the GPU
+            dist.all_gather_object(outcomes, (error, choice), group=group)
             errors = [e for e, _ in outcomes if e]
             if errors:
                 raise UsageError(errors[0])
@@ -775,13 +776,18 @@ def spawned_worker(rank, worker, stop, *worker_args):
     sys.unraisablehook = quiet_interrupt_in_finalizer
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the launcher's handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not stop.is_set():
-        try:
-            worker(rank, *worker_args)
-        except UsageError as err:
-            said_once(err, rank)
-        finally:
-            exit_sooner()
+    try:
+        if not stop.is_set():
+            try:
+                worker(rank, *worker_args)
+            except UsageError as err:
+                said_once(err, rank)
+    finally:
+        # Deaf again: an interrupted worker gets a second SIGINT (the terminal's, then the
+        # launcher's), and one that lands after mp.spawn's wrapper has caught the first, on the
+        # way out, would print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        exit_sooner()
 
 
 def native_threads():
@@ -950,6 +956,27 @@ def run_main(argv=None):
         if rank == 0:  # under torchrun, one line from rank 0
             print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)
         sys.exit(130)
+
+
+# --------------------------------------------------------------------- hardening of lesson 5 only
+def remove_stale_parts(snapshot):
+    """Remove the .part files of this snapshot that a writer on this machine left when it was
+    killed while writing (SIGKILL, the machine lost): their names give the host and the process
+    id, and that process is gone. Writers on other machines clean up their own."""
+    folder, prefix = os.path.split(os.path.abspath(snapshot))
+    prefix += f".{socket.gethostname()}."
+    for name in os.listdir(folder):
+        pid = name[len(prefix):-len(".part")]
+        if name.startswith(prefix) and name.endswith(".part") and pid.isdigit():
+            try:
+                os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                try:
+                    os.remove(os.path.join(folder, name))
+                except FileNotFoundError:  # another writer got there first
+                    pass
+            except PermissionError:  # it exists, as another user's process
+                pass
 
 
 if __name__ == "__main__":

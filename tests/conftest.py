@@ -126,3 +126,16 @@ def small_data_args(dataset, tmp_path_factory):
             values = single.read_idx(str(source / f"{name}-{kind}-ubyte"))
             write_idx(raw / f"{name}-{kind}-ubyte", values[:count])
     return ["--dataset", dataset, "--data-dir", folder]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A Gloo process group of one rank in this process, for calling a script's collectives
+    in-process; destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

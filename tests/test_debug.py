@@ -5,7 +5,7 @@ were well."""
 import time
 
 import pytest
-from conftest import read_metrics, run_script
+from conftest import load_script, read_metrics, run_script
 from test_bad_input import refused
 
 SCRIPT = "mnist_ddp_debug.py"
@@ -63,3 +63,20 @@ def test_the_watchdog_shows_the_stuck_rank_and_where_the_others_wait(data_args):
 ])
 def test_bad_values_of_the_new_flags(args, expected):
     assert expected in refused(SCRIPT, *args)
+
+
+def test_a_run_that_diverged_is_not_called_a_desync(one_rank_group):
+    """Replicas that all hold NaN are equal (DDP kept them so): the check says the run diverged.
+    Compared with `!=`, NaN differs from itself, and rank 0 was said to differ from rank 0."""
+    import torch
+
+    debug = load_script("mnist_ddp_debug")
+    model = torch.nn.Module()
+    model.module = torch.nn.Linear(3, 2)
+    debug.check_replicas(model, steps=1)  # finite and equal: quiet
+    with torch.no_grad():
+        model.module.bias[1] = float("nan")
+    with pytest.raises(debug.UsageError) as err:
+        debug.check_replicas(model, steps=7)
+    assert "training diverged by step 7: bias holds NaN or inf" in str(err.value)
+    assert "differ" not in str(err.value)

@@ -1,7 +1,10 @@
 """The Kaggle notebook runs the repository's scripts, not hand-kept copies."""
 import json
+import os
+import tempfile
 
 import nbformat
+import pytest
 from conftest import REPO, SCRIPTS
 
 KAGGLE = REPO / "kaggle"
@@ -76,3 +79,32 @@ def test_scripts_are_collapsed_data_stays_out_of_the_output_and_shared_memory_is
     assert '"pyg_lib", "--no-index", "-f", index' in runs and "assert pip" not in runs
     first = nb.cells[0].source
     assert "have not been run" in first  # until someone runs it on Kaggle
+
+
+@pytest.mark.parametrize("shm_short", [None, "/dev/shm has 64 MiB free: give the container more"])
+def test_with_a_small_dev_shm_the_gcn_runs_without_sampling_workers(shm_short):
+    """Sampling workers hand each sampled batch (tens of MB) to their rank through /dev/shm: where
+    it is too small, the GCN runs under torchrun with --num-workers 0. The notebook's cell runs
+    here with `run` recording the commands instead of starting them."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and 'run("gcn_ddp.py"' in c.source)
+    commands = []
+
+    def run(*argv):
+        commands.append([str(a) for a in argv])
+        path = argv[argv.index("--metrics-json") + 1]
+        with open(path, "w") as f:
+            json.dump({"epochs": [{"seconds": 1.0, "sampled_nodes_per_second": 1.0, "test_metric": 0.5}]}, f)
+
+    with tempfile.TemporaryDirectory() as folder:
+        cwd = os.getcwd()
+        os.chdir(folder)
+        try:
+            exec(cell, {"run": run, "SHM_SHORT": shm_short, "DATA": "/tmp/data", "json": json,
+                        "Markdown": str})
+        finally:
+            os.chdir(cwd)
+    assert len(commands) == 2
+    for command in commands:
+        workers = command[command.index("--num-workers") + 1]
+        assert ("torch.distributed.run" in command, workers) == ((True, "0") if shm_short else (False, "1"))

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import OFFLINE, REPO, SCRIPTS, read_metrics, run_script, script_env, torchrun
+from conftest import OFFLINE, REPO, SCRIPTS, load_script, read_metrics, run_script, script_env, torchrun
 
 MNIST = ["--model", "linear", "--max-steps", 20]
 
@@ -234,3 +234,22 @@ def test_a_machine_lost_mid_training_ends_the_job_in_one_line(lost, data_args):
     errors = [line for line in output.splitlines() if line.startswith("mnist_ddp_cpu.py: error:")]
     assert len(errors) == 1 and "rank 0 lost its connection to another rank" in errors[0], output
     assert "]: Traceback" not in output, output
+
+
+def test_the_preparation_turns_wait_in_a_gloo_group_whatever_the_training_backend(monkeypatch, one_rank_group,
+                                                                                 tmp_path):
+    """Under NCCL the waiting ranks would sit in a GPU collective for up to --prepare-timeout; the
+    turns make a Gloo group of their own (in-process, one rank)."""
+    import argparse
+
+    cpu = load_script("mnist_ddp_cpu")
+    made, new_group = [], cpu.dist.new_group
+
+    def spy(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return new_group(*args, **kwargs)
+
+    monkeypatch.setattr(cpu.dist, "new_group", spy)
+    args = argparse.Namespace(dataset="auto", data_dir=str(tmp_path), quiet=True, prepare_timeout=60)
+    choice = cpu.prepare_in_turns(lambda choice, data_dir, verbose: "prepared", args, 0)
+    assert choice == "prepared" and made == ["gloo"]

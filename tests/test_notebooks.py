@@ -1,10 +1,14 @@
 """The notebooks: committed without outputs, parameterised for papermill, each run as a test by
 nbmake (smoke mode), with exercises and their solutions; and the tools that run them."""
 import re
+import sys
 
 import nbformat
 import pytest
 from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import study_time  # noqa: E402
 
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SOLUTIONS = sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
@@ -63,10 +67,21 @@ def test_readme_gives_each_lessons_times_as_its_notebook_does():
     readme = (REPO / "README.md").read_text()
     assert len(readme.encode()) <= 12_000, "README.md is over 12 KB: move detail to docs/"
     for path in LESSONS:
-        row = re.search(rf"^\| {int(path.name[:2])} \| \[.*\| ([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min)) \|$",
-                        readme, re.M)
+        row = re.search(rf"^\| {int(path.name[:2])} \| \[.*\| ([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min)) \| "
+                        rf"(\d+) min \|$", readme, re.M)
         assert row, f"README.md's lesson table has no time for {path.name}"
         assert (row[1], row[2]) == stated_times(path), path.name
+        assert int(row[3]) == study_time.stated(path), f"{path.name}: run `make study-times`"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_the_study_time_follows_its_rule(path):
+    """Each lesson states its study time, estimated by one rule (tools/study_time.py: words at
+    150 a minute, 5 minutes an exercise), labelled as an estimate; it changes with the lesson."""
+    minutes, words, exercises = study_time.estimate(path)
+    assert words > 500 and exercises >= 2
+    assert study_time.stated(path) == minutes, f"{path.name}: run `make study-times`"
+    assert "an estimate" in nbformat.read(path, as_version=4).cells[0].source
 
 
 def test_every_solution_belongs_to_a_lesson():

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -28,13 +29,35 @@ def max_difference(path_a, path_b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_args):
-    """The reference: the linear model trained 3 epochs by 2 spawned processes, never interrupted."""
+    """The reference: the linear model trained 3 epochs by 2 spawned processes, never interrupted.
+    Its snapshot folder starts with .part files as earlier writers would have left them
+    (test_a_part_left_by_a_killed_writer_is_removed)."""
     folder = tmp_path_factory.mktemp("uninterrupted")
+    gone = ended_pid()
+    host = socket.gethostname()
+    for name in (f"s.pt.{host}.{gone}.part", f"s.pt.{host}.{os.getpid()}.part", f"s.pt.elsewhere.{gone}.part"):
+        (folder / name).write_bytes(b"half a snapshot")
     r = run_script(SCRIPT, *LINEAR, *data_args, "--nprocs", 2, "--snapshot", folder / "s.pt",
                    "--save", folder / "w.pt", "--metrics-json", folder / "m.json")
     assert r.returncode == 0, r.stderr
     assert read_metrics(folder / "m.json")["resumed_after_epoch"] == 0
     return folder / "w.pt"
+
+
+def ended_pid():
+    """The process id of a process that has ended."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_a_part_left_by_a_killed_writer_is_removed(uninterrupted):
+    """A writer killed mid-write (SIGKILL: no clean-up) leaves `<snapshot>.<host>.<pid>.part`; the
+    next writer on that host removes the parts whose process has ended, and only those: one of a
+    process still running stays, and so does one of another host (whose writer cleans up there)."""
+    remaining = {p.name for p in uninterrupted.parent.glob("s.pt.*.part")}
+    gone = next(name for name in remaining if ".elsewhere." in name).split(".")[-2]
+    assert remaining == {f"s.pt.{socket.gethostname()}.{os.getpid()}.part", f"s.pt.elsewhere.{gone}.part"}
 
 
 def test_torchrun_restarts_the_job_which_resumes_where_it_was(tmp_path, data_args, uninterrupted):

@@ -480,13 +480,13 @@ def check_device(args, gpu=0):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
-                         f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
+    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
                          f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
+                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
 
 
 def check_setup(args, rank):

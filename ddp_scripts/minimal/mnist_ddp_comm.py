@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, TensorDataset
+from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:
@@ -230,7 +230,8 @@ def train(rank, local_rank, world_size, args):
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
-    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler.
+    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
+    # which reads back from the GPU whether a gradient overflowed: one synchronisation per step.
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -239,7 +240,6 @@ def train(rank, local_rank, world_size, args):
     train_set = TensorDataset(train_images, train_labels)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=not args.no_shuffle, seed=args.seed)
-    batches = BatchSampler(sampler, batch_size=args.batch_size, drop_last=False)  # index lists
 
     log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
     log(f"training {args.model} on {args.dataset}: {world_size} processes on "
@@ -258,11 +258,13 @@ def train(rank, local_rank, world_size, args):
     history, steps, start = [], 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
+        batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
         bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
                    disable=rank != 0 or args.quiet or not sys.stdout.isatty())
-        for i, indices in enumerate(bar):
+        for i, index in enumerate(bar):
             # Micro-batches go in groups of --accum-steps (the epoch's last group may be shorter;
             # every rank has as many micro-batches, so all agree on where the groups end).
             group_start = i - i % args.accum_steps
@@ -270,7 +272,6 @@ def train(rank, local_rank, world_size, args):
             last = i - group_start == group - 1
             if i == group_start:
                 optimizer.zero_grad(set_to_none=True)
-            index = torch.tensor(indices, device=device)
             x, y = train_images[index], train_labels[index]
             # 4. Under no_sync() backward only adds this micro-batch's gradients into .grad, with no
             #    communication; the group's last backward all-reduces (averages) the sums, once.
@@ -279,7 +280,7 @@ def train(rank, local_rank, world_size, args):
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss = F.cross_entropy(model(x), y)
                 scaler.scale(loss / group).backward()  # / group: the sum of the group's means is a mean
-            loss_sum += loss.detach() * len(y)  # stays on the GPU: no synchronisation per step
+            loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
             seen += len(y)
             if last:
                 scaler.step(optimizer)  # the same averaged gradients on every rank: the same step
@@ -384,13 +385,13 @@ def check_device(args, gpu=0):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
-                         f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
+    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
                          f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
+                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
 
 
 def check_setup(args, rank):

@@ -211,9 +211,10 @@ class Watchdog:
 def check_replicas(model, steps):
     """DDP keeps the replicas equal only if nothing changes one rank's copy alone. Compare a
     checksum of every parameter and buffer across ranks (replicas are equal to the bit, so the
-    sums are too); stop every rank with the first tensor that differs."""
+    sums are too); stop every rank with the first tensor that differs, or that is not finite."""
     names, tensors = zip(*model.module.state_dict().items())
-    mine = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for t in tensors])
+    sums = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for t in tensors])
+    mine = sums.view(torch.int64)  # compared as bits: a NaN is unequal to itself, its bits are not
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)  # a collective: every rank checks at the same steps
     for other, theirs in enumerate(every):
@@ -223,6 +224,10 @@ def check_replicas(model, steps):
             raise UsageError(f"the replicas differ after step {steps}: {name} is not the same on "
                              f"ranks 0 and {other} (something changed one rank's copy outside DDP: "
                              f"a load, an update or a random draw on some ranks only)")
+    diverged = (~sums.isfinite()).any(dim=1).nonzero()  # equal on every rank, as checked above
+    if len(diverged):
+        raise UsageError(f"training diverged by step {steps}: {names[diverged[0].item()]} holds NaN or "
+                         f"inf on every rank, alike (not a desync): lower --lr or look for a bad input")
 
 
 def inject_bug(bug, rank, model, args):

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, TensorDataset
+from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:
@@ -221,7 +221,8 @@ def train(rank, local_rank, world_size, args):
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
-    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler.
+    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
+    # which reads back from the GPU whether a gradient overflowed: one synchronisation per step.
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -257,7 +258,6 @@ def train(rank, local_rank, world_size, args):
     train_set = TensorDataset(train_images, train_labels)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=not args.no_shuffle, seed=args.seed)
-    batches = BatchSampler(sampler, batch_size=args.batch_size, drop_last=False)  # index lists
 
     log(f"training {args.model} on {args.dataset}: {world_size} processes on "
         f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
@@ -268,15 +268,16 @@ def train(rank, local_rank, world_size, args):
         if args.max_steps is not None and steps >= args.max_steps:  # the snapshot may be past it
             break
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
+        batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
         bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
                    disable=rank != 0 or args.quiet or not sys.stdout.isatty())
-        for step_in_epoch, indices in enumerate(bar):
+        for step_in_epoch, index in enumerate(bar):
             if (epoch == args.crash_in_epoch and epoch > first_epoch and rank == world_size - 1
                     and step_in_epoch == len(batches) // 2):
                 crash(rank, epoch)  # for the lesson; only in an attempt that began before this epoch
-            index = torch.tensor(indices, device=device)
             x, y = train_images[index], train_labels[index]
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -284,7 +285,7 @@ def train(rank, local_rank, world_size, args):
             scaler.scale(loss).backward()  # 4. DDP all-reduces (averages) the gradients here
             scaler.step(optimizer)  # ... so every rank takes the same step and the replicas stay equal
             scaler.update()
-            loss_sum += loss.detach() * len(y)  # stays on the GPU: no synchronisation per step
+            loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
             seen += len(y)
             steps += 1
             if steps == args.max_steps:
@@ -465,13 +466,13 @@ def check_device(args, gpu=0):
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no bf16 arithmetic (it came with "
-                         f"compute capability 8.0, Ampere): use --amp fp16")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
+    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
                          f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
+                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
 
 
 def check_setup(args, rank):
