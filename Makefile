@@ -1,6 +1,6 @@
 # The course's commands work from a fresh clone: each creates .venv and installs what it needs,
-# in layers: `make demo` only what lessons 1-3 and 5-8 need; `make graph` adds PyG for lesson 4;
-# `make test` everything.
+# in layers: `make demo` only what every lesson but lesson 4 needs; `make graph` adds PyG for lesson 4;
+# `make test` everything. `make help` lists the targets.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,8 +9,9 @@ DEV    := $(VENV)/.installed-dev
 GRAPH  := $(VENV)/.installed-graph
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup base graph data demo test test-quick lab notebooks html bench gpu-check kaggle minimal \
-	figures clean
+.PHONY: help setup base graph data demo test test-quick lab notebooks html bench gpu-check kaggle \
+	minimal figures study-times netlab-up netlab-down clean
+.DEFAULT_GOAL := help
 
 $(BASE): requirements.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,23 +28,9 @@ $(GRAPH): $(BASE) requirements-graph.txt tools/install_graph.py
 	$(PY) tools/install_graph.py
 	touch $(GRAPH)
 
-base: $(BASE)
-graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
-
-data:  ## the offline dataset fallback (Debian's Fashion-MNIST, where apt-get runs as root)
-	@bash tools/install_system_data.sh
-
-setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset, test browser
-	@bash tools/install_browser.sh
-
+##@ The course
 demo: $(BASE) data  ## the main job: 2-process CPU DDP training of the ConvNet, one epoch
 	$(PY) ddp_scripts/mnist_ddp_cpu.py --nprocs 2 --model convnet --epochs 1 --data-dir data
-
-test: setup  ## the whole test suite (what .ci/run runs)
-	$(PY) -m pytest
-
-test-quick: setup  ## the test suite without the notebook runs (for development)
-	$(PY) -m pytest -m "not slow"
 
 # JupyterLab on the repository, opened at notebooks/: the lessons' links and figures point into
 # ../ddp_scripts, ../figures, ..., which a server rooted at notebooks/ would not serve. Its kernel
@@ -60,11 +47,20 @@ lab: $(BASE) $(DEV) data  ## open the course in JupyterLab (the notebooks, with 
 		$(if $(LAB_PORT),--port=$(LAB_PORT)) \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
 
+graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
+
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
 	$(PY) tools/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
 html: $(DEV)  ## the notebooks executed by `make notebooks`, as HTML pages with an index, in build/html/
 	$(PY) tools/render_html.py
+
+##@ Checks and measurements
+test: setup  ## the whole test suite and every notebook (what CI runs)
+	$(PY) -m pytest
+
+test-quick: setup  ## the suite without the notebooks and the multi-process cluster tests (for development)
+	$(PY) -m pytest -m "not slow and not cluster"
 
 bench: setup  ## measured start-up and speed-ups on this machine (prints ratios, writes figures/ and build/bench/)
 	$(PY) tools/bench_startup.py
@@ -75,13 +71,34 @@ bench: setup  ## measured start-up and speed-ups on this machine (prints ratios,
 gpu-check: setup  ## lessons 3 and 4 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
 	$(PY) tools/gpu_check.py
 
-kaggle: setup  ## regenerate kaggle/ddp_t4x2.ipynb from ddp_scripts/ (a test fails when it is stale)
+# Two machines on this one (root only, standard library): network namespaces host0 and host1
+# (10.77.0.1, 10.77.0.2), each with its own hostname; `python3 tools/netlab.py run host0 -- CMD`.
+netlab-up:  ## two lab hosts joined by one link (RATE=1gbit caps its bandwidth; root only)
+	$(PYTHON) tools/netlab.py up $(if $(RATE),--rate $(RATE))
+
+netlab-down:  ## remove the lab and every process still running in it
+	$(PYTHON) tools/netlab.py down
+
+##@ Set-up
+setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset, test browser
+	@bash tools/install_browser.sh
+
+base: $(BASE)  ## torch and what the lessons need (what `make demo` installs)
+
+data:  ## the offline dataset fallback (Debian's Fashion-MNIST, where apt-get runs as root)
+	@bash tools/install_system_data.sh
+
+clean:  ## remove what the runs wrote (build/, notebooks/output/, caches)
+	rm -rf build notebooks/output .pytest_cache
+
+##@ Maintainers: regenerate what is generated (a test fails when one is stale)
+minimal:  ## copy mnist_ddp_cpu.py's hardening into every DDP script, rewrite ddp_scripts/minimal/
+	$(PYTHON) tools/make_minimal.py --sync-hardening
+
+kaggle: $(DEV)  ## rewrite kaggle/ddp_t4x2.ipynb from ddp_scripts/
 	$(PY) tools/build_kaggle_notebook.py
 
-minimal: setup  ## rewrite ddp_scripts/minimal/ from the DDP scripts (a test fails when it is stale)
-	$(PY) tools/make_minimal.py --sync-hardening
-
-figures: setup  ## redraw the figures that do not need a benchmark run
+figures: $(BASE)  ## redraw the figures that need no benchmark run (the GCN batch needs `make graph`)
 	$(PY) tools/draw_data_flow.py
 	$(PY) tools/draw_ddp_diagram.py
 	$(PY) tools/draw_sampled_batch.py
@@ -89,14 +106,6 @@ figures: setup  ## redraw the figures that do not need a benchmark run
 study-times: $(DEV)  ## rewrite each lesson's study-time estimate (and the README's) from its words and exercises
 	$(PY) tools/study_time.py --write
 
-# Two machines on this one (root only, standard library): network namespaces host0 and host1
-# (10.77.0.1, 10.77.0.2), each with its own hostname; `python3 tools/netlab.py run host0 -- CMD`.
-.PHONY: netlab-up netlab-down
-netlab-up:  ## two lab hosts joined by one link (RATE=1gbit caps its bandwidth; root only)
-	$(PYTHON) tools/netlab.py up $(if $(RATE),--rate $(RATE))
-
-netlab-down:  ## remove the lab and every process still running in it
-	$(PYTHON) tools/netlab.py down
-
-clean:
-	rm -rf build notebooks/output .pytest_cache
+help:  ## this list
+	@awk 'BEGIN {FS = ":.*## "} /^##@/ {printf "\n%s\n", substr($$0, 5)} \
+		/^[a-z][a-z-]*:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)

@@ -313,8 +313,9 @@ def neighbor_loader(data, nodes, sampler, args):
     pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
     from torch_geometric.loader import NeighborLoader
 
-    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes, batch_size=args.batch_size,
-                          neighbor_sampler=sampler, pin_memory=args.device == "cuda",
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
+                          batch_size=args.batch_size, neighbor_sampler=sampler,
+                          pin_memory=args.device == "cuda",
                           **sampling_workers(args.num_workers))  # plain: num_workers=args.num_workers)
 
 
@@ -447,17 +448,19 @@ def worker(rank, world_size, args, graph=None):
                             timeout=timedelta(seconds=args.timeout))
     try:
         if graph is None:  # torchrun: no launcher has loaded the graph; the ranks do
-            def load(dataset, data_dir, verbose):  # downloads and processes what is not on disk yet
+            def load(dataset):  # downloads and processes what is not on disk yet
                 nonlocal graph
                 args.dataset = dataset
                 graph = load_dataset(args, mapped=True)  # sorted, as prepare_graph sorts it
                 check_enough_seeds(graph[1], world_size)
                 return args.dataset
 
-            args.dataset = prepare_in_turns(load, args, rank)  # plain: load(args.dataset, args.data_dir, True)
+            # plain: load(args.dataset)
+            args.dataset = prepare_in_turns(load, args.dataset, rank, args.prepare_timeout)
         train(rank, local_rank, world_size, *graph, args)
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
+
 
 def check_device(args, gpu=0):
     """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
@@ -494,7 +497,6 @@ def check_setup(args, rank):
         check_writable(args.save, args.metrics_json)
 
 
-
 def main(args):
     if "RANK" in os.environ:
         # Started by torchrun: this process already is one rank; it checks its set-up first.
@@ -503,15 +505,15 @@ def main(args):
         worker(rank, world_size, args)
         return
     check_setup(args, rank=0)
-    # Started by hand: load the graph ONCE, here, into shared memory; the spawned ranks receive
-    # handles to it (torch.multiprocessing passes shared tensors without copying them).
+    # Started by hand: the graph loaded ONCE, here, in shared memory; the ranks get handles to it.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
     data, split, metric = load_dataset(args)
     check_enough_seeds(split, args.nprocs)
     check_shared_memory(data, split)  # plain: nothing
     prepare_graph(data, split)
-    spawn_workers(worker, args.nprocs, args, (data, split, metric))  # plain: mp.spawn(worker, args=(args.nprocs, args, (data, split, metric)), nprocs=args.nprocs)
+    # plain: mp.spawn(worker, args=(args.nprocs, args, (data, split, metric)), nprocs=args.nprocs)
+    spawn_workers(worker, args.nprocs, args, (data, split, metric))
 
 
 def free_port():
@@ -519,6 +521,7 @@ def free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
 
 # --------------------------------------------------------------------------- command line
 def cpu_cores():
@@ -528,6 +531,7 @@ def cpu_cores():
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise UsageError(f"{message} (see --help)")
+
 
 def positive(kind):
     def parse(text):
@@ -563,7 +567,7 @@ def probability(text):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", choices=["gcn"], default="gcn")
     p.add_argument("--dataset", choices=["auto", "synthetic", "ogbn-products", "amazon-products"],
                    default="auto", help="auto: a real graph already in --data-dir, else synthetic")
@@ -603,9 +607,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.nprocs is None:
-        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-        args.nprocs = gpus or 2
+    if args.nprocs is None:  # one process per visible GPU
+        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # processes on this machine
     if args.threads_per_proc is None:
         args.threads_per_proc = max(1, cpu_cores() // procs)
@@ -628,15 +631,22 @@ def check_writable(*paths):
 
 # ================================================================================== hardening
 # Below this fence: what makes the lesson above safe on real clusters, the same block in every
-# DDP script of the course (a test keeps the copies identical). The lesson reaches it through the
-# calls marked "# plain: ...", each followed by what it stands for; ddp_scripts/minimal/ holds each
-# script with those plain forms and without this part. It relies on the lesson's imports and
-# on its UsageError, parse_args() and main().
+# DDP script of the course (a test keeps the copies identical). The part above reaches it through
+# the lines marked "# plain: ...", which say what each stands for; ddp_scripts/minimal/ holds each
+# script with those plain forms and without this part.
+# What it needs from the part above: the imports argparse, os, socket, sys, time, torch,
+# torch.distributed as dist, torch.multiprocessing as mp and datetime's timedelta; the names
+# UsageError (raised anywhere, it ends the job with its one line: a check that refuses raises it),
+# free_port(), positive(), parse_args() and main(args); the flags --timeout and --quiet.
+# What a copier may delete: any piece whose "# plain:" line is put back to its plain form, with the
+# functions only it calls; prepare_in_turns() with its flag (add_hardening_flags(p, prepare=False))
+# when the script has no data to put in place.
 
-def add_hardening_flags(parser):
-    parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
-                        help="under torchrun: seconds a rank may wait while others download and "
-                             "prepare the data")
+def add_hardening_flags(parser, prepare=True):
+    if prepare:  # prepare_in_turns()'s timeout
+        parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
+                            help="under torchrun: seconds a rank may wait while others download "
+                                 "and prepare the data")
     # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
     # variable, which they set too, is what counts (as PyTorch recommends).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -768,25 +778,26 @@ def roll_call(check, args, rank, world_size, timeout=None):
         exit_after_the_speaker()
 
 
-def prepare_in_turns(prepare, args, rank):
-    """torchrun: run prepare(choice, args.data_dir, verbose) in every rank, in three turns, so that no two
-    processes ever download into the same folder at once. Rank 0 goes first and decides (e.g. what
-    --dataset auto means). Then the first process of each other machine: it downloads a copy only
-    where rank 0's files are not visible (no shared filesystem). Then all the others, which find
-    the files in place. A turn ends when every rank knows that it went well; an error in any rank
-    stops all of them with its one line. A first download can outlast --timeout, so the turns get
-    a process group with a timeout of their own (--prepare-timeout), a Gloo one whatever the
-    training backend: the waiting ranks wait on the CPU, not in a GPU collective (Gloo connects
-    the group here, while no rank is busy). Returns rank 0's choice."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.prepare_timeout))
+def prepare_in_turns(prepare, first, rank, timeout):
+    """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
+    download into the same folder at once. Rank 0 goes first, with choice=first, and decides (e.g.
+    what --dataset auto means): what it returns is the choice of every later turn. Then the first
+    process of each other machine: it downloads a copy only where rank 0's files are not visible
+    (no shared filesystem). Then all the others, which find the files in place. A turn ends when
+    every rank knows that it went well; a UsageError in any rank stops all of them with its one
+    line. A first download can outlast --timeout, so the turns get a process group with a timeout
+    of their own (`timeout`, --prepare-timeout), a Gloo one whatever the training backend: the
+    waiting ranks wait on the CPU, not in a GPU collective (Gloo connects the group here, while no
+    rank is busy). Returns rank 0's choice."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    outcomes, choice = [None] * dist.get_world_size(), args.dataset
+    outcomes, choice = [None] * dist.get_world_size(), first
     try:
         for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
             error = None
             if mine:
                 try:
-                    choice = prepare(choice, args.data_dir, verbose=not args.quiet)
+                    choice = prepare(choice)
                 except UsageError as err:
                     error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
             dist.all_gather_object(outcomes, (error, choice), group=group)

@@ -248,8 +248,9 @@ def neighbor_loader(data, nodes, sampler, args):
     pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
     from torch_geometric.loader import NeighborLoader
 
-    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes, batch_size=args.batch_size,
-                          neighbor_sampler=sampler, pin_memory=args.device == "cuda",
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
+                          batch_size=args.batch_size, neighbor_sampler=sampler,
+                          pin_memory=args.device == "cuda",
                           num_workers=args.num_workers)
 
 
@@ -381,7 +382,6 @@ def check_device(args, gpu=0):
                          f"capability 8.0 it is emulated, slowly): use --amp fp16")
 
 
-
 def main(args):
     check_device(args)
     check_writable(args.save, args.metrics_json)
@@ -398,6 +398,7 @@ def cpu_cores():
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise UsageError(f"{message} (see --help)")
+
 
 def positive(kind):
     def parse(text):
@@ -433,7 +434,7 @@ def probability(text):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", choices=["gcn"], default="gcn")
     p.add_argument("--dataset", choices=["auto", "synthetic", "ogbn-products", "amazon-products"],
                    default="auto", help="auto: a real graph already in --data-dir, else synthetic")

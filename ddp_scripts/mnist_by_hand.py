@@ -1,21 +1,36 @@
-"""Lesson 2, by hand: data parallelism without DDP, to see what DDP does for you.
+"""Lessons 2 and 9, by hand: data parallelism without DDP, to see what DDP does for you.
 
     python mnist_by_hand.py --nprocs 2 --model linear --max-steps 50 --save by_hand.pt
+    python mnist_by_hand.py --nprocs 2 --model mlp --sync bucketed --bucket-mb 4 --max-steps 40
 
 Every process holds a whole replica of the model and trains on its share of each global batch.
-After backward, the processes add up each gradient with an all-reduce and divide by their number,
-so every replica takes the same step (the two lines marked "# BY HAND"). That is what
-DistributedDataParallel does; it also sends the gradients in buckets while backward is still
-running, and broadcasts rank 0's weights when it is built. A teaching script: it reads the data that
-mnist_single.py (or any lesson script) has prepared, and it has none of the hardening of
-mnist_ddp_cpu.py, which is the one to copy.
+The replicas start from rank 0's weights (a broadcast), and before each optimizer step every
+gradient is summed over the processes and divided by their number, so that every replica takes the
+same step. How the gradients travel is --sync, one small class each, the steps that lead to what
+DistributedDataParallel does:
+
+    per-tensor  one all-reduce per gradient, after backward (lesson 2)
+    flat        one all-reduce of all the gradients copied into one buffer, after backward
+    overlap     a hook per parameter starts its gradient's all-reduce as soon as backward has
+                produced it, while backward goes on; the step waits for all of them
+    bucketed    gradients gathered, in the order backward produces them, into buckets of about
+                --bucket-mb; each bucket's all-reduce starts once the bucket is full (DDP's way)
+
+Each class wraps a model (`sync = Bucketed(model, bucket_mb=25)`), and `sync.finish()` waits for
+the averaged gradients before `optimizer.step()`. --profile DIR writes a torch.profiler trace of a
+few steps per rank (open it in https://ui.perfetto.dev or chrome://tracing). A teaching script: it
+reads the data that mnist_single.py (or any lesson script) has prepared, and it has none of the
+hardening of mnist_ddp_cpu.py, which is the one to copy.
 """
 import argparse
+import json
 import math
 import os
 import socket
+import statistics
 import struct
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -84,22 +99,150 @@ class ConvNet(nn.Module):
 
 
 def build_model(name):
+    if name == "mlp":  # 5.8M parameters: 23 MB of gradients to all-reduce per step, 20x the ConvNet's
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 2048), nn.ReLU(),
+                             nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
     if name == "linear":  # Flatten + Linear (Graph Neural Networks in Action, 7.8)
         return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
     return ConvNet()
 
 
-# --------------------------------------------------------------------------- one rank, by hand
+# --------------------------------------------------------------------------- the gradients, four ways
+def gradient(p):
+    """p's gradient; zeros for a parameter that this step did not use (every rank must still send
+    something for it, in the same order)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+class PerTensor:
+    """One all-reduce per gradient, once backward is done: the naive way (lesson 2)."""
+
+    def __init__(self, model):
+        # model.parameters() yields a parameter shared by two layers once; frozen ones are skipped.
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.world_size = dist.get_world_size()
+        for tensor in model.state_dict().values():  # BY HAND: every replica starts from rank 0's weights
+            dist.broadcast(tensor, src=0)
+
+    def finish_gradient_synchronization(self):
+        """Call between backward() and optimizer.step(): every gradient averaged over the ranks."""
+        for p in self.params:  # BY HAND: sum every gradient over the ranks, then average
+            dist.all_reduce(gradient(p), op=dist.ReduceOp.SUM)
+            p.grad /= self.world_size
+
+
+class Flat(PerTensor):
+    """All the gradients copied into one buffer, one all-reduce, copied back: one message, its fixed
+    cost paid once instead of once per tensor, for two copies of the gradients."""
+
+    def finish_gradient_synchronization(self):
+        grads = [gradient(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.world_size
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
+class Overlap(PerTensor):
+    """A hook on each parameter starts its gradient's all-reduce as soon as backward has added it
+    up (async_op=True: the call returns at once, Gloo's threads do the sending), while backward
+    computes the gradients of the layers before. Every rank starts them in the same order, that
+    of backward. finish waits for all of them."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.pending = []  # (parameter, the all-reduce under way)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, p):
+        self.pending.append((p, dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        started = {id(p) for p, _ in self.pending}
+        for p in self.params:  # unused this step (no hook ran): zeros, sent now, in parameter order
+            if id(p) not in started:
+                self.pending.append((p, dist.all_reduce(gradient(p), op=dist.ReduceOp.SUM, async_op=True)))
+        for p, work in self.pending:
+            work.wait()
+            p.grad /= self.world_size
+        self.pending = []
+
+
+class Bucketed(PerTensor):
+    """The gradients grouped into buckets of about bucket_mb MiB, in the reverse order of the
+    parameters (about the order in which backward produces them). When the last gradient of a
+    bucket is ready, the bucket is copied into one buffer and its all-reduce starts, while backward
+    goes on: fewer, bigger messages than Overlap's, still overlapped. DDP's way (DDP also rebuilds
+    its buckets after the first step, in the order it saw the gradients come)."""
+
+    def __init__(self, model, bucket_mb=25.0):
+        super().__init__(model)
+        self.buckets, size = [[]], 0
+        for p in reversed(self.params):
+            nbytes = p.numel() * p.element_size()
+            if self.buckets[-1] and size + nbytes > bucket_mb * 2**20:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.missing = [len(bucket) for bucket in self.buckets]  # gradients not yet ready, per bucket
+        self.pending = {}  # bucket index -> (its buffer, the all-reduce under way)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, p):
+        i = self.bucket_of[id(p)]
+        self.missing[i] -= 1
+        if self.missing[i] == 0:  # the bucket is full: send it
+            self.start(i)
+
+    def start(self, i):
+        flat = torch.cat([gradient(p).reshape(-1) for p in self.buckets[i]])
+        self.pending[i] = (flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
+
+    def finish_gradient_synchronization(self):
+        for i in range(len(self.buckets)):  # a bucket with an unused parameter: sent now, in order
+            if i not in self.pending:
+                self.start(i)
+        for i, (flat, work) in sorted(self.pending.items()):
+            work.wait()
+            flat /= self.world_size
+            grads = [p.grad for p in self.buckets[i]]
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
+        self.pending, self.missing = {}, [len(bucket) for bucket in self.buckets]
+
+
+SYNC = {"per-tensor": PerTensor, "flat": Flat, "overlap": Overlap, "bucketed": Bucketed}
+
+
+# --------------------------------------------------------------------------- one rank
+def profiler(args, rank):
+    """--profile DIR: a torch.profiler trace of steps 3 to 5 of this rank, DIR/rank<rank>.json."""
+    if not args.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    path = os.path.join(args.profile, f"rank{rank}.json")
+    return profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3),
+                   on_trace_ready=lambda prof: prof.export_chrome_trace(path))
+
+
 def worker(rank, world_size, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
-    torch.set_num_threads(max(1, os.cpu_count() // world_size))
+    torch.set_num_threads(args.threads_per_proc)
     images, labels = load_split(args.dataset, args.data_dir, train=True)
 
     torch.manual_seed(args.seed)
     model = build_model(args.model)  # a plain model: no DDP wrapper
-    for tensor in model.state_dict().values():  # BY HAND: every replica starts from rank 0's weights
-        dist.broadcast(tensor, src=0)
+    # BY HAND: rank 0's weights to every replica; then the gradients' averaging, --sync's way
+    sync = Bucketed(model, args.bucket_mb) if args.sync == "bucketed" else SYNC[args.sync](model)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, as under DDP
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     train_set = TensorDataset(images, labels)
@@ -107,21 +250,27 @@ def worker(rank, world_size, args):
                                  shuffle=not args.no_shuffle, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    steps = 0
+    trace, steps, seconds = profiler(args, rank), 0, []
+    if trace:
+        trace.start()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            start = time.perf_counter()
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()  # this rank's gradients, from its B samples
-            for p in model.parameters():  # BY HAND: sum every gradient over the ranks, then average
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                p.grad /= world_size
+            sync.finish_gradient_synchronization()  # BY HAND: the averaged gradients on every rank
             optimizer.step()  # the same averaged gradients everywhere: the same step
+            seconds.append(time.perf_counter() - start)
+            if trace:
+                trace.step()
             steps += 1
             if steps == args.max_steps:
                 break
         if steps == args.max_steps:
             break
+    if trace:
+        trace.stop()
 
     if rank == 0:
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
@@ -130,10 +279,16 @@ def worker(rank, world_size, args):
             correct = sum((model(x).argmax(1) == y).sum().item()
                           for x, y in zip(test_images.split(128), test_labels.split(128)))
         accuracy = correct / len(test_labels)
-        print(f"done: {args.model} on {args.dataset} by hand, {world_size} processes, {steps} steps, "
-              f"test accuracy {accuracy:.2%}", flush=True)
+        per_step = statistics.median(seconds[3:] or seconds)  # the first steps warm up
+        print(f"done: {args.model} on {args.dataset} by hand ({args.sync}), {world_size} processes, "
+              f"{steps} steps, test accuracy {accuracy:.2%}, {per_step * 1e3:.1f} ms per step", flush=True)
         if args.save:
             torch.save(model.state_dict(), args.save)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as f:
+                json.dump({"sync": args.sync, "bucket_mb": args.bucket_mb, "model": args.model,
+                           "world_size": world_size, "steps": steps, "test_accuracy": accuracy,
+                           "ms_per_step": per_step * 1e3, "seconds": seconds}, f, indent=2)
     dist.destroy_process_group()
 
 
@@ -160,8 +315,14 @@ def positive(kind):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["linear", "convnet"], default="linear")
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--sync", choices=list(SYNC), default="per-tensor",
+                   help="how the gradients are averaged (see the top of this file)")
+    p.add_argument("--bucket-mb", type=positive(float), default=None,
+                   help="--sync bucketed: the size of a bucket, in MiB (default 25, as DDP's)")
+    p.add_argument("--profile", type=str, default=None, metavar="DIR",
+                   help="write a torch.profiler trace of steps 3 to 5 of each rank into DIR")
+    p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="linear")
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
                    help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
     p.add_argument("--data-dir", type=str, default="data")
@@ -172,10 +333,26 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=positive(int), default=None)
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--nprocs", type=positive(int), default=2)
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
     p.add_argument("--save", type=str, default=None, help="write rank 0's final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--quiet", action="store_true", help="(accepted, as by the other scripts)")
     p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
     args = p.parse_args(argv)
+    if args.bucket_mb is not None and args.sync != "bucketed":
+        raise UsageError("--bucket-mb sets the buckets of --sync bucketed: add --sync bucketed, or drop it")
+    args.bucket_mb = (args.bucket_mb or 25.0) if args.sync == "bucketed" else None
+    if args.profile:
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot use --profile {args.profile}: {err.strerror}") from None
+        if not os.access(args.profile, os.W_OK):
+            raise UsageError(f"cannot use --profile {args.profile}: no write permission there")
+    if args.threads_per_proc is None:
+        args.threads_per_proc = max(1, (os.cpu_count() or 1) // args.nprocs)
+
     def present(name):
         return os.path.exists(os.path.join(raw_dir(name, args.data_dir), "t10k-labels-idx1-ubyte"))
 

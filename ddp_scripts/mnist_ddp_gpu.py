@@ -40,14 +40,12 @@ except ImportError:  # the progress bar is optional
 
 
 # --------------------------------------------------------------------------- data
-# torchvision's folder (and class) names. torchvision downloads the files; this script reads them
-# itself, and imports torchvision only to download: the import takes ~1.5 s in every process.
+# torchvision's folder names. The script reads the files itself: importing torchvision takes ~1.5 s.
 FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
 MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
 RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-# Debian's package dataset-fashion-mnist puts the four .gz files here (an offline fallback).
-FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 
 
 class UsageError(Exception):
@@ -304,7 +302,9 @@ def worker(rank, world_size, args):
                             timeout=timedelta(seconds=args.timeout))
     try:
         if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
-            args.dataset = prepare_in_turns(prepare_data, args, rank)  # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
+            # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
+            args.dataset = prepare_in_turns(lambda d: prepare_data(d, args.data_dir, not args.quiet),
+                                            args.dataset, rank, args.prepare_timeout)
         train(rank, local_rank, world_size, args)
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
@@ -366,7 +366,8 @@ def main(args):
     if args.nprocs > cpu_cores() and not args.quiet:
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
-    spawn_workers(worker, args.nprocs, args)  # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+    spawn_workers(worker, args.nprocs, args)
 
 
 # --------------------------------------------------------------------------- command line
@@ -389,7 +390,7 @@ def positive(kind):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
     p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
                    help="auto: MNIST if present or downloadable, else Fashion-MNIST")
@@ -420,9 +421,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.nprocs is None:
-        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-        args.nprocs = gpus or 2
+    if args.nprocs is None:  # one process per visible GPU
+        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
     if args.threads_per_proc is None:
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)
@@ -443,15 +443,22 @@ def check_writable(*paths):
 
 # ================================================================================== hardening
 # Below this fence: what makes the lesson above safe on real clusters, the same block in every
-# DDP script of the course (a test keeps the copies identical). The lesson reaches it through the
-# calls marked "# plain: ...", each followed by what it stands for; ddp_scripts/minimal/ holds each
-# script with those plain forms and without this part. It relies on the lesson's imports and
-# on its UsageError, parse_args() and main().
+# DDP script of the course (a test keeps the copies identical). The part above reaches it through
+# the lines marked "# plain: ...", which say what each stands for; ddp_scripts/minimal/ holds each
+# script with those plain forms and without this part.
+# What it needs from the part above: the imports argparse, os, socket, sys, time, torch,
+# torch.distributed as dist, torch.multiprocessing as mp and datetime's timedelta; the names
+# UsageError (raised anywhere, it ends the job with its one line: a check that refuses raises it),
+# free_port(), positive(), parse_args() and main(args); the flags --timeout and --quiet.
+# What a copier may delete: any piece whose "# plain:" line is put back to its plain form, with the
+# functions only it calls; prepare_in_turns() with its flag (add_hardening_flags(p, prepare=False))
+# when the script has no data to put in place.
 
-def add_hardening_flags(parser):
-    parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
-                        help="under torchrun: seconds a rank may wait while others download and "
-                             "prepare the data")
+def add_hardening_flags(parser, prepare=True):
+    if prepare:  # prepare_in_turns()'s timeout
+        parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
+                            help="under torchrun: seconds a rank may wait while others download "
+                                 "and prepare the data")
     # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
     # variable, which they set too, is what counts (as PyTorch recommends).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -583,25 +590,26 @@ def roll_call(check, args, rank, world_size, timeout=None):
         exit_after_the_speaker()
 
 
-def prepare_in_turns(prepare, args, rank):
-    """torchrun: run prepare(choice, args.data_dir, verbose) in every rank, in three turns, so that no two
-    processes ever download into the same folder at once. Rank 0 goes first and decides (e.g. what
-    --dataset auto means). Then the first process of each other machine: it downloads a copy only
-    where rank 0's files are not visible (no shared filesystem). Then all the others, which find
-    the files in place. A turn ends when every rank knows that it went well; an error in any rank
-    stops all of them with its one line. A first download can outlast --timeout, so the turns get
-    a process group with a timeout of their own (--prepare-timeout), a Gloo one whatever the
-    training backend: the waiting ranks wait on the CPU, not in a GPU collective (Gloo connects
-    the group here, while no rank is busy). Returns rank 0's choice."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.prepare_timeout))
+def prepare_in_turns(prepare, first, rank, timeout):
+    """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
+    download into the same folder at once. Rank 0 goes first, with choice=first, and decides (e.g.
+    what --dataset auto means): what it returns is the choice of every later turn. Then the first
+    process of each other machine: it downloads a copy only where rank 0's files are not visible
+    (no shared filesystem). Then all the others, which find the files in place. A turn ends when
+    every rank knows that it went well; a UsageError in any rank stops all of them with its one
+    line. A first download can outlast --timeout, so the turns get a process group with a timeout
+    of their own (`timeout`, --prepare-timeout), a Gloo one whatever the training backend: the
+    waiting ranks wait on the CPU, not in a GPU collective (Gloo connects the group here, while no
+    rank is busy). Returns rank 0's choice."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    outcomes, choice = [None] * dist.get_world_size(), args.dataset
+    outcomes, choice = [None] * dist.get_world_size(), first
     try:
         for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
             error = None
             if mine:
                 try:
-                    choice = prepare(choice, args.data_dir, verbose=not args.quiet)
+                    choice = prepare(choice)
                 except UsageError as err:
                     error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
             dist.all_gather_object(outcomes, (error, choice), group=group)

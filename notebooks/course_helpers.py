@@ -89,12 +89,17 @@ def function_diff(before, after, name, context=1):
 
 def lesson_text(script):
     """A script of ddp_scripts/ as a learner reads it: a DDP script's lesson part (above its
-    hardening fence) and its __main__ block; any other script whole."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import make_minimal
+    hardening fence, a comment line that starts with `# ===` and names `hardening`) and its
+    __main__ block; any other script whole. (tools/make_minimal.py's lesson_view(), which a test
+    compares with this.)"""
+    import re
 
-    path = SCRIPTS / script
-    return make_minimal.lesson_view(path) if path in make_minimal.ddp_scripts() else path.read_text()
+    text = (SCRIPTS / script).read_text()
+    fence = re.search(r"^# ?=+.*hardening", text, re.M)
+    if not fence:
+        return text
+    guard = text.index('\nif __name__ == "__main__":') + 1
+    return text[:fence.start()].rstrip("\n") + "\n\n\n" + text[guard:]
 
 
 def free_port():
@@ -269,6 +274,44 @@ def gcn_steps_in_one_process(gcn, data, split, args, world_size, one_subgraph=Fa
         loss.backward()
         optimizer.step()
     return model.state_dict()
+
+
+def data_args(smoke, dataset="auto"):
+    """The data flags of the lessons' runs: the dataset prepared in ../data (downloaded once, or
+    Fashion-MNIST offline); in smoke mode its first 6,000 training and 1,000 test images, in the
+    same format, in ../data/smoke (every run then loads and scores a tenth of the data)."""
+    sys.path.insert(0, str(SCRIPTS))
+    import mnist_single
+
+    dataset = mnist_single.prepare_data(dataset, str(DATA_DIR), verbose=False)
+    folder = small_copy(dataset, DATA_DIR / "smoke") if smoke else DATA_DIR
+    return ["--dataset", dataset, "--data-dir", str(folder)]
+
+
+def small_copy(dataset, folder, train=6000, test=1000):
+    """The first `train` training and `test` test images of `dataset` (prepared in ../data), written
+    once into `folder` in the dataset's own files and layout; returns the folder."""
+    import struct
+
+    sys.path.insert(0, str(SCRIPTS))
+    import mnist_single
+
+    raw = Path(mnist_single.raw_dir(dataset, str(folder)))
+    source = Path(mnist_single.raw_dir(dataset, str(DATA_DIR)))
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", train), ("t10k", test)):
+        for kind in ("images-idx3", "labels-idx1"):
+            target = raw / f"{split}-{kind}-ubyte"
+            if target.exists():
+                continue
+            values = mnist_single.read_idx(str(source / target.name))[:count].contiguous()
+            part = target.with_name(f"{target.name}.{os.getpid()}.part")
+            with open(part, "wb") as f:  # IDX: 0, 0, 8 (unsigned bytes), the dimensions, the sizes
+                f.write(struct.pack(">HBB", 0, 0x08, values.dim()))
+                f.write(struct.pack(f">{values.dim()}I", *values.shape))
+                f.write(values.numpy().tobytes())
+            os.replace(part, target)  # whole or not at all: runs may read it at once
+    return folder
 
 
 def output_path(name):

@@ -30,6 +30,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)  # make test-quick leaves the notebooks out
+
+
 # Offline for urllib (pass as script_env(**OFFLINE)): every download goes to a proxy on a port
 # where nothing listens.
 OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}

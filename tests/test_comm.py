@@ -57,7 +57,8 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, dataset,
     assert set(calls) == {28 * 28 * 10 + 10}  # one bucket: every gradient, each time
 
 
-@pytest.mark.parametrize("flags, later_steps", [([], [4216842, 1607680]), (["--bucket-cap-mb", "25"], [5824522])],
+@pytest.mark.parametrize("flags, later_steps", [([], [4216842, 1607680]),
+                                               (["--bucket-cap-mb", "25"], [5824522])],
                          ids=["default", "25 MB"])
 def test_without_the_flag_ddp_keeps_its_own_buckets(monkeypatch, dataset, flags, later_steps):
     """What torch 2.14.1's DDP does with the MLP's 5.8 million gradients: the first step sends them in

@@ -116,7 +116,8 @@ def refuse(host, *args, **kwargs):
     raise socket.gaierror(-2, "Name or service not known")
 socket.getaddrinfo = refuse
 import json
-print(json.dumps([mnist_single.try_download("mnist", {str(tmp_path)!r}), looked_up, "torchvision" in sys.modules]))
+tried = mnist_single.try_download("mnist", {str(tmp_path)!r})
+print(json.dumps([tried, looked_up, "torchvision" in sys.modules]))
 """
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)

@@ -28,19 +28,21 @@ def ranks_of(launcher):
 
 
 @contextlib.contextmanager
-def training_job(script, dataset, under_torchrun=False, starting=False, start_method=None):
+def training_job(script, dataset, under_torchrun=False, starting=False, start_method=None, args=None,
+                 cwd=None):
     """Start a 2-rank job as a terminal would (own session, SIGINT not ignored) and yield
     (launcher, its two ranks, all its processes) once both ranks train, or with starting=True as
     soon as both exist (spawned ones still importing torch). Kills what is left after. The launcher
     is the script itself (mp.spawn), or torchrun. start_method: DDP_START_METHOD (default: the
-    script's own choice, fork on a machine without GPUs)."""
+    script's own choice, fork on a machine without GPUs). script: a name in ddp_scripts/ (its
+    flags from JOBS), or a path with its flags in `args`."""
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
     path = str(SCRIPTS / script)
     start = [*torchrun(2), path] if under_torchrun else [path, "--nprocs", "2"]
     launcher = subprocess.Popen(
-        [sys.executable, *start, "--timeout", "60", *JOBS[script](dataset)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, *start, "--timeout", "60", *(args if args is not None else JOBS[script](dataset))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
         env=script_env(**({"DDP_START_METHOD": start_method} if start_method else {})),
         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     family = []
@@ -127,6 +129,7 @@ def test_ctrl_c_inside_a_finalizer_prints_no_traceback_in_a_worker(hook):
     assert r.returncode == 0 and r.stdout == "went on\n", r.stderr
     assert "ValueError: a finalizer's own error" in r.stderr
     assert ("KeyboardInterrupt" in r.stderr) == (hook == "no hook"), r.stderr
+
 
 # Ctrl-C in a terminal signals the whole process group; `kill -INT` or a scheduler's SIGTERM reach
 # the launcher alone, whose workers must then be stopped by the launcher (mp.spawn's join would

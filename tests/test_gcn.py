@@ -410,17 +410,17 @@ def test_batch_figure_assigns_hops_along_sampled_edges(tmp_path):
 
     from conftest import REPO
 
-    sys.path.insert(0, str(REPO / "tools"))
-    import draw_sampled_batch
+    sys.path.insert(0, str(REPO / "notebooks"))
+    import course_demos
 
-    batch = draw_sampled_batch.sample_batch(num_nodes=3000, seeds=3, num_neighbors=(4, 3))
-    hop, parent = draw_sampled_batch.hops(batch)
+    batch = course_demos.sample_batch(num_nodes=3000, seeds=3, num_neighbors=(4, 3))
+    hop, parent = course_demos.hops(batch)
     assert (hop[:3] == 0).all() and (hop >= 0).all()  # seeds first; every node reached
     for h, fan_out, below in ((1, 4, 3), (2, 3, int((hop == 1).sum()))):
         nodes = (hop == h).nonzero().view(-1)
         assert 0 < len(nodes) <= fan_out * below
         assert (hop[parent[nodes]] == h - 1).all()  # sampled for a node one hop nearer the seeds
-    counts = draw_sampled_batch.draw(batch, tmp_path / "b.png")
+    counts = course_demos.draw(batch, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 10_000 and sum(counts.values()) == batch.num_nodes
 
 
@@ -449,7 +449,8 @@ def test_metrics_summed_over_unequal_shards_equal_the_metric_on_the_whole(multi_
     process on all the nodes. Averaging the ranks' metrics would not, with shards of unequal size."""
     g = torch.Generator().manual_seed(0)
     out = torch.randn(103, 5, generator=g)
-    y = (torch.rand(103, 5, generator=g) > 0.6).float() if multi_label else torch.randint(0, 5, (103,), generator=g)
+    y = ((torch.rand(103, 5, generator=g) > 0.6).float() if multi_label
+         else torch.randint(0, 5, (103,), generator=g))
     shards = [slice(0, 17), slice(17, 103)]  # two ranks, 17 and 86 nodes
 
     def reference(out, y):  # the metric computed directly, on one set of nodes

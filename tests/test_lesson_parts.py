@@ -52,7 +52,7 @@ def defined(text):
 
 def test_the_ddp_scripts_are_the_ones_expected():
     assert set(IDS) >= {"mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py", "mnist_ddp_comm.py",
-                        "mnist_ddp_debug.py", "gcn_ddp.py"}
+                        "mnist_ddp_debug.py", "gcn_ddp.py", "template_ddp.py"}
 
 
 @pytest.mark.parametrize("path", DDP_SCRIPTS, ids=IDS)
@@ -79,7 +79,8 @@ def test_lesson_2_adds_little_to_lesson_1():
 
 
 def test_every_ddp_script_has_its_neighbour():
-    assert {script for _, script in NEIGHBOURS} | {"mnist_ddp_cpu.py"} == set(IDS)
+    """Every lesson but the first is read against the one before it (the template is no lesson)."""
+    assert {script for _, script in NEIGHBOURS} | {"mnist_ddp_cpu.py", "template_ddp.py"} == set(IDS)
     for earlier, script in NEIGHBOURS:
         assert f"Compare it with {earlier}" in (SCRIPTS / script).read_text()
 
@@ -117,7 +118,8 @@ def test_the_minimal_form_replaces_every_seam(path):
 
 
 def test_a_seam_replacement_is_checked():
-    text = "import os\nimport sys\n\nx = hardened(1)  # plain: x = 1\ny = 2  # plain: nothing\nprint(sys.argv)\n"
+    text = ("import os\nimport sys\n\nx = hardened(1)  # plain: x = 1\ny = 2  # plain: nothing\n"
+            "print(sys.argv)\n")
     assert make_minimal.drop_unused_imports(make_minimal.replace_seams(text)) == \
         "import sys\n\nx = 1\nprint(sys.argv)\n"
 
@@ -148,6 +150,7 @@ RUNS = {
                           "--max-steps", 4],
     "mnist_ddp_debug.py": ["--model", "linear", "--check-sync-every", 2, "--max-steps", 4],
     "gcn_ddp.py": ["--device", "cpu", "--num-nodes", 2000, "--eval-nodes", 200, "--max-steps", 3],
+    "template_ddp.py": ["--max-steps", 6],
 }
 
 
@@ -155,7 +158,7 @@ RUNS = {
 def test_the_minimal_form_trains_exactly_as_the_full_script(tmp_path, data_args, script):
     if script == "gcn_ddp.py":
         pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
-    data = [] if script == "gcn_ddp.py" else data_args
+    data = [] if script in ("gcn_ddp.py", "template_ddp.py") else data_args
     extra = ["--snapshot", tmp_path / "snapshot.pt"] if script == "mnist_ddp_resume.py" else []
     weights = {}
     for form in (script, f"minimal/{script}"):
@@ -175,3 +178,13 @@ def test_the_minimal_form_runs_under_torchrun(tmp_path, data_args):
                    "--save", path, *data_args, launcher=torchrun(2), timeout=180)
     assert r.returncode == 0, r.stderr
     assert path.stat().st_size > 0
+
+
+def test_the_notebooks_show_the_lesson_parts_that_the_limits_count():
+    """course_helpers.lesson_text() (what the notebooks print and diff) reads a script as
+    make_minimal does, without importing the maintainers' tools."""
+    sys.path.insert(0, str(REPO / "notebooks"))
+    import course_helpers
+
+    for path in DDP_SCRIPTS:
+        assert course_helpers.lesson_text(path.name) == make_minimal.lesson_view(path), path.name

@@ -29,7 +29,8 @@ def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180, torchru
     port, agents = free_port(), []
     for node, (args, nprocs) in enumerate(zip(node_args, procs)):
         if c10d:
-            rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job"]
+            rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                          "--rdzv-id", "job"]
         else:
             rendezvous = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         launcher = ["-m", "torch.distributed.run", "--nnodes", "2", *rendezvous,
@@ -236,12 +237,9 @@ def test_a_machine_lost_mid_training_ends_the_job_in_one_line(lost, data_args):
     assert "]: Traceback" not in output, output
 
 
-def test_the_preparation_turns_wait_in_a_gloo_group_whatever_the_training_backend(monkeypatch, one_rank_group,
-                                                                                 tmp_path):
+def test_the_preparation_turns_wait_in_a_gloo_group_whatever_the_backend(monkeypatch, one_rank_group):
     """Under NCCL the waiting ranks would sit in a GPU collective for up to --prepare-timeout; the
     turns make a Gloo group of their own (in-process, one rank)."""
-    import argparse
-
     cpu = load_script("mnist_ddp_cpu")
     made, new_group = [], cpu.dist.new_group
 
@@ -250,6 +248,5 @@ def test_the_preparation_turns_wait_in_a_gloo_group_whatever_the_training_backen
         return new_group(*args, **kwargs)
 
     monkeypatch.setattr(cpu.dist, "new_group", spy)
-    args = argparse.Namespace(dataset="auto", data_dir=str(tmp_path), quiet=True, prepare_timeout=60)
-    choice = cpu.prepare_in_turns(lambda choice, data_dir, verbose: "prepared", args, 0)
-    assert choice == "prepared" and made == ["gloo"]
+    choice = cpu.prepare_in_turns(lambda first: f"prepared {first}", "auto", 0, 60)
+    assert choice == "prepared auto" and made == ["gloo"]

@@ -263,3 +263,12 @@ def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(empty),
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "run `make notebooks`" in r.stderr
+
+
+def test_the_notebooks_need_nothing_from_the_maintainers_tools():
+    """What a lesson imports lives with the lessons (course_helpers.py, course_demos.py); tools/ holds
+    the maintainers' generators and benchmarks, which may import from notebooks/, not the reverse."""
+    sources = [c.source for path in NOTEBOOKS for c in nbformat.read(path, as_version=4).cells
+               if c.cell_type == "code"]
+    sources += [p.read_text() for p in (REPO / "notebooks").glob("*.py")]
+    assert not [s for s in sources if re.search(r"""/\s*["']tools["']|["'](\.\./)?tools/""", s)]

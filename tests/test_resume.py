@@ -35,7 +35,8 @@ def uninterrupted(tmp_path_factory, data_args):
     folder = tmp_path_factory.mktemp("uninterrupted")
     gone = ended_pid()
     host = socket.gethostname()
-    for name in (f"s.pt.{host}.{gone}.part", f"s.pt.{host}.{os.getpid()}.part", f"s.pt.elsewhere.{gone}.part"):
+    for name in (f"s.pt.{host}.{gone}.part", f"s.pt.{host}.{os.getpid()}.part",
+                 f"s.pt.elsewhere.{gone}.part"):
         (folder / name).write_bytes(b"half a snapshot")
     r = run_script(SCRIPT, *LINEAR, *data_args, "--nprocs", 2, "--snapshot", folder / "s.pt",
                    "--save", folder / "w.pt", "--metrics-json", folder / "m.json")

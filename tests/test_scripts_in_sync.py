@@ -14,9 +14,13 @@ PAIRS = [
     ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main"}, MNIST_SHARED),
     ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "check_setup", "parse_args"},
      MNIST_SHARED | {"main", "free_port"}),
-    ("mnist_ddp_cpu.py", "mnist_by_hand.py", {"worker", "parse_args", "main"},
-     {"raw_dir", "read_idx", "load_split", "ConvNet", "build_model", "Parser", "positive", "UsageError",
+    ("mnist_ddp_cpu.py", "mnist_by_hand.py", {"worker", "parse_args", "main", "build_model"},
+     {"raw_dir", "read_idx", "load_split", "ConvNet", "Parser", "positive", "UsageError",
       "free_port", "FOLDERS", "MEAN_STD"}),
+    ("mnist_ddp_comm.py", "mnist_by_hand.py", {"worker", "parse_args", "main"}, {"build_model"}),  # the MLP
+    ("mnist_by_hand.py", "mnist_model_parallel.py", {"worker", "build_model", "parse_args"},
+     {"FOLDERS", "MEAN_STD", "UsageError", "raw_dir", "read_idx", "load_split", "free_port", "Parser",
+      "positive", "main"}),
     ("mnist_ddp_cpu.py", "mnist_ddp_debug.py", {"train", "parse_args"},
      MNIST_SHARED | {"evaluate", "worker", "main", "check_setup", "free_port"}),
     ("mnist_ddp_gpu.py", "mnist_ddp_resume.py", {"train", "check_setup", "parse_args"},
@@ -31,6 +35,14 @@ PAIRS = [
       "UsageError", "PROCESSED", "SAMPLER_HELP"}),
     ("mnist_ddp_gpu.py", "gcn_ddp.py", {"evaluate", "train", "worker", "main", "check_device", "parse_args"},
      {"free_port", "Parser", "positive", "cpu_cores", "UsageError", "check_setup", "check_writable"}),
+    # The all-reduce by hand ("DDP from the inside"): the by-hand script's launching and command line.
+    ("mnist_by_hand.py", "allreduce_by_hand.py", {"worker", "parse_args"},
+     {"free_port", "Parser", "positive", "UsageError", "main"}),
+    # The template: lesson 3's launching and command line around a project's own functions.
+    ("mnist_ddp_gpu.py", "template_ddp.py",
+     {"evaluate", "train", "worker", "main", "check_device", "check_setup", "parse_args", "build_model",
+      "prepare_data", "UsageError"},
+     {"free_port", "Parser", "positive", "cpu_cores", "check_writable", "write_metrics"}),
 ]
 
 
@@ -64,7 +76,7 @@ def test_scripts_import_only_what_a_copy_can_rely_on(script):
     allowed = {"torch", "torchvision", "tqdm", "torch_geometric"}
     stdlib = {"argparse", "gzip", "json", "os", "shutil", "socket", "sys", "time", "datetime",
               "urllib", "math", "random", "contextlib", "functools", "pathlib", "signal", "warnings",
-              "ctypes", "threading", "struct", "traceback", "logging", "re", "uuid", "gc"}
+              "ctypes", "threading", "struct", "traceback", "logging", "re", "uuid", "gc", "statistics"}
     allowed |= {"ogb"} if script.startswith("gcn_") else set()
     tree = ast.parse((SCRIPTS / script).read_text())
     roots = set()

@@ -80,6 +80,6 @@ def test_the_start_up_benchmark_runs_and_reports_every_row(tmp_path, dataset):
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [row["name"] for row in rows][1:] == ["the script, as it starts ranks", "the script, spawned ranks",
-                                                 "the minimal form (mp.spawn)"]
+    assert [row["name"] for row in rows][1:] == ["the script, as it starts ranks",
+                                                 "the script, spawned ranks", "the minimal form (mp.spawn)"]
     assert all(row["seconds"] > 0 for row in rows) and "vs the script" in r.stdout

@@ -21,13 +21,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "ddp_scripts"
+sys.path.insert(0, str(REPO / "notebooks"))
+from course_demos import input_pipeline_rates  # noqa: E402  (lesson 6 shows the same measurement)
 
 
 def cores():
@@ -58,30 +59,6 @@ def run_metrics(script, args, common):
 
 def run_training(script, args, common):
     return run_metrics(script, args, common)["epochs"][-1]["images_per_second"]
-
-
-def input_pipeline_rates(data_dir, dataset, n_batches=200, batch=64):
-    """images/s of the input pipeline alone, one thread: per-image PIL transforms vs decoded tensors."""
-    sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
-    from torch.utils.data import DataLoader, TensorDataset
-    from torchvision import datasets, transforms
-
-    torch.set_num_threads(1)
-    mean, std = mnist_single.MEAN_STD[dataset]
-    per_image = getattr(datasets, mnist_single.FOLDERS[dataset])(
-        data_dir, train=True, download=False,
-        transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))]))
-    images, labels = mnist_single.load_split(dataset, data_dir, train=True)
-    rates = {}
-    for name, ds in (("PIL transform per image", per_image),
-                     ("tensors decoded once", TensorDataset(images, labels))):
-        loader = iter(DataLoader(ds, batch_size=batch, shuffle=True))
-        start = time.perf_counter()
-        for _ in range(n_batches):
-            next(loader)
-        rates[name] = n_batches * batch / (time.perf_counter() - start)
-    return rates
 
 
 def gpu_rates(common, repeats):

@@ -68,7 +68,8 @@ def main():
         for name, command, run_env in configs:
             samples[name].append(wall_seconds(command, run_env))
             print(f"  run {repeat + 1}/{args.repeats}  {name:<32} {samples[name][-1]:6.2f} s", flush=True)
-    rows = [{"name": name, "seconds": statistics.median(runs), "runs": runs} for name, runs in samples.items()]
+    rows = [{"name": name, "seconds": statistics.median(runs), "runs": runs}
+            for name, runs in samples.items()]
     reference = rows[1]["seconds"]
     print(f"\n{'command':<34} {'seconds':>8} {'vs the script':>14}   spread of runs")
     for row in rows:

@@ -102,9 +102,9 @@ LESSON3 = """\
 
 `mnist_ddp_gpu.py` starts one process per GPU (`--nprocs`), pins each to its GPU with
 `torch.cuda.set_device(local_rank)` and keeps the (small) dataset on the GPU. The T4 has no native
-bf16 (torch emulates it, slowly), so mixed precision here is `--amp fp16` (with a gradient scaler). Two T4s talk over
-PCIe; if NCCL ever hangs at start-up on such a box, `NCCL_P2P_DISABLE=1` is the usual remedy and
-`NCCL_DEBUG=INFO` shows what it chose."""
+bf16 (torch emulates it, slowly), so mixed precision here is `--amp fp16` (with a gradient scaler).
+Two T4s talk over PCIe; if NCCL ever hangs at start-up on such a box, `NCCL_P2P_DISABLE=1` is the
+usual remedy and `NCCL_DEBUG=INFO` shows what it chose."""
 
 GPU_RUNS = """\
 results = {}

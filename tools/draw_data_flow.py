@@ -83,8 +83,8 @@ def draw(out):
     for x in LANE_X:
         bars(ax, x, 2.95, average, "#6a9f58", "g: the same averaged gradients on every rank")
         arrow(ax, (x, 2.28), (x, 1.88))
-        box(ax, x, 1.4, 4.6, 0.9, "optimizer.step():  W <- W - lr * g\nthe same step: the replicas stay equal",
-            SAME)
+        box(ax, x, 1.4, 4.6, 0.9,
+            "optimizer.step():  W <- W - lr * g\nthe same step: the replicas stay equal", SAME)
     ax.text(6, 0.35, "= one process taking one step on all N x B samples: the average of the ranks' mean "
             "gradients\nis the mean gradient of the whole batch (equal shares)", ha="center", fontsize=9.5)
 
@@ -96,7 +96,8 @@ def draw(out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "figures" / "ddp_data_flow.png"))
+    parser.add_argument("--out",
+                        default=str(Path(__file__).resolve().parents[1] / "figures" / "ddp_data_flow.png"))
     args = parser.parse_args()
     draw(args.out)
     print(f"wrote {args.out}")

@@ -1,111 +1,31 @@
-"""Figure for lesson 4: one real mini-batch from PyG's NeighborLoader, drawn hop by hop.
+"""Figure for lesson 4: one real mini-batch from PyG's NeighborLoader, drawn hop by hop (the
+drawing itself is notebooks/course_demos.py's, which notebook 04 uses on a batch of its own).
 
-Seed nodes in the middle, the neighbours sampled for them (first hop) around them, the
-neighbours of those (second hop) outside. Notebook 04 draws it from a batch it samples itself;
-`make figures` redraws figures/gcn_sampled_batch.png from the synthetic graph of gcn_ddp.py.
+    python tools/draw_sampled_batch.py [--out figures/gcn_sampled_batch.png]   (make figures)
 
-    python tools/draw_sampled_batch.py [--out figures/gcn_sampled_batch.png]
+Needs PyG (make graph); without it, says so and redraws nothing.
 """
 import argparse
-import math
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
-HOP_COLOURS = ["#c0392b", "#e67e22", "#5d7fa3"]  # seeds, first hop, second hop
-HOP_NAMES = ["seed nodes (the loss is computed on these)", "first hop", "second hop"]
-
-
-def hops(batch):
-    """Hop of every node of a sampled batch (0 for seeds), found by walking its edges from the
-    seeds: edge_index[0] is the sampled neighbour, edge_index[1] the node it was sampled for."""
-    src, dst = batch.edge_index
-    hop = torch.full((batch.num_nodes,), -1, dtype=torch.long)
-    hop[:batch.batch_size] = 0  # NeighborLoader puts the seed nodes first
-    parent = torch.full((batch.num_nodes,), -1, dtype=torch.long)
-    for h in (1, 2):
-        frontier = hop[dst] == h - 1
-        for s, d in zip(src[frontier].tolist(), dst[frontier].tolist()):
-            if hop[s] == -1:
-                hop[s], parent[s] = h, d
-    return hop, parent
-
-
-def layout(hop, parent, batch_size):
-    """Radial trees, one per seed: each node sits in the angular wedge of the node that
-    first sampled it."""
-    pos = torch.zeros(len(hop), 2)
-    wedge = {}
-    for seed in range(batch_size):
-        centre = torch.tensor([seed * 11.0, 0.0])
-        pos[seed] = centre
-        wedge[seed] = (0.0, 2 * math.pi, centre)
-    for h, radius in ((1, 2.2), (2, 4.8)):
-        for p in sorted(wedge):
-            kids = [i for i in (parent == p).nonzero().view(-1).tolist() if hop[i] == h]
-            start, width, centre = wedge[p]
-            for k, i in enumerate(kids):
-                angle = start + width * (k + 0.5) / len(kids)
-                pos[i] = centre + radius * torch.tensor([math.cos(angle), math.sin(angle)])
-                wedge_width = width / len(kids)
-                wedge.setdefault(i, (angle - wedge_width / 2, wedge_width, centre))
-    return pos
-
-
-def draw(batch, out, title=None):
-    """Draw a NeighborLoader batch (with batch.batch_size seed nodes) to the PNG file out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hop, parent = hops(batch)
-    pos = layout(hop, parent, batch.batch_size)
-    fig, ax = plt.subplots(figsize=(10, 5.4))
-    src, dst = batch.edge_index
-    for s, d in zip(src.tolist(), dst.tolist()):
-        tree = parent[s] == d
-        ax.plot(*zip(pos[s].tolist(), pos[d].tolist()), color="#999" if tree else "#ddd",
-                lw=0.6 if tree else 0.4, zorder=1)
-    for h in (2, 1, 0):
-        idx = (hop == h).nonzero().view(-1)
-        ax.scatter(pos[idx, 0], pos[idx, 1], s=[160, 40, 14][h], color=HOP_COLOURS[h], zorder=2 + h,
-                   edgecolors="white", linewidths=0.5, label=f"{HOP_NAMES[h]}: {len(idx)}")
-    ax.set_aspect("equal")
-    ax.axis("off")
-    handles, labels = ax.get_legend_handles_labels()  # seeds first
-    ax.legend(handles[::-1], labels[::-1], loc="lower center", bbox_to_anchor=(0.5, -0.12), ncol=3,
-              frameon=False, fontsize=9)
-    ax.set_title(title or f"one sampled batch: {batch.batch_size} seed nodes, {batch.num_nodes} nodes, "
-                 f"{batch.num_edges} edges", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return {h: int((hop == h).sum()) for h in (0, 1, 2)}
-
-
-def sample_batch(num_nodes=20_000, seeds=2, num_neighbors=(15, 10), seed=0):
-    """A real batch from the lesson's synthetic graph, with the lesson's fan-out."""
-    sys.path.insert(0, str(REPO / "ddp_scripts"))
-    import gcn_ddp
-    from torch_geometric.loader import NeighborLoader
-
-    data, split, _ = gcn_ddp.synthetic_graph(num_nodes, seed=seed)
-    torch.manual_seed(seed)
-    loader = NeighborLoader(data, num_neighbors=list(num_neighbors), batch_size=seeds,
-                            input_nodes=split["train"][:seeds])
-    return next(iter(loader))
+sys.path.insert(0, str(REPO / "notebooks"))
+import course_demos  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "figures" / "gcn_sampled_batch.png")
     args = parser.parse_args()
-    batch = sample_batch()
-    counts = draw(batch, args.out, title="one batch from NeighborLoader(num_neighbors=[15, 10], "
-                  f"batch_size=2): {batch.num_nodes} nodes, {batch.num_edges} edges")
+    try:
+        import torch_geometric  # noqa: F401
+    except ImportError:
+        print(f"draw_sampled_batch: PyG is not installed (make graph): {args.out} not redrawn")
+        return
+    batch = course_demos.sample_batch()
+    counts = course_demos.draw(batch, args.out, title="one batch from NeighborLoader(num_neighbors=[15, 10], "
+                               f"batch_size=2): {batch.num_nodes} nodes, {batch.num_edges} edges")
     print(f"wrote {args.out}: nodes per hop {counts}")
 
 

@@ -6,7 +6,9 @@ A DDP script has two parts, split by one fence line (a comment that starts with 
 DDP script and may go on, after a marker line (`# ---` ... `hardening`), with what one script alone
 needs. The file ends with its `if __name__ == "__main__":` block. A lesson line that calls into the
 hardening ends with `# plain: <code>`: the minimal form has <code> there instead (`# plain: nothing`:
-the line is dropped). Imports that the minimal form no longer uses are dropped too.
+the line is dropped). A statement too long for that (or spanning lines) has its `# plain: <code>` on
+a comment line of its own right above it: the minimal form has <code> instead of the whole
+statement. Imports that the minimal form no longer uses are dropped too.
 
     python tools/make_minimal.py                    # write ddp_scripts/minimal/ (make minimal)
     python tools/make_minimal.py --check            # only say whether it is current
@@ -25,10 +27,14 @@ FENCE = re.compile(r"^# ?=+.*hardening")
 EXTRA = re.compile(r"^# ?-+.*hardening")
 GUARD = 'if __name__ == "__main__":'
 SEAM = re.compile(r"^(?P<indent>\s*)(?P<code>\S.*?)\s+# plain: (?P<plain>.*)$")
+SEAM_ABOVE = re.compile(r"^(?P<indent>\s*)# plain: (?P<plain>.*)$")
 
 
 def ddp_scripts():
-    return sorted([*SCRIPTS.glob("mnist_ddp_*.py"), SCRIPTS / "gcn_ddp.py"])
+    """The scripts with a hardening fence: every DDP script (the by-hand and one-process ones have
+    none)."""
+    return sorted(path for path in SCRIPTS.glob("*.py")
+                  if any(FENCE.match(line) for line in path.read_text().splitlines()))
 
 
 def split(path):
@@ -60,9 +66,22 @@ def lesson_lines(path):
 
 
 def replace_seams(text):
-    out = []
-    for line in text.splitlines(keepends=True):
-        seam = SEAM.match(line.rstrip("\n"))
+    """Each seam replaced by its plain form: a line that ends with `# plain: <code>`, or the
+    statement below a `# plain: <code>` line (`nothing`: dropped)."""
+    ends = {}  # first line of each statement -> its last line (the outermost statement there)
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.stmt):
+            ends[node.lineno] = max(ends.get(node.lineno, 0), node.end_lineno)
+    out, skip_to = [], 0
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        if number <= skip_to:
+            continue
+        above, seam = SEAM_ABOVE.match(line.rstrip("\n")), SEAM.match(line.rstrip("\n"))
+        if above:
+            if number + 1 not in ends:
+                raise ValueError(f"line {number}: a '# plain:' line must stand right above the statement "
+                                 f"it stands for")
+            skip_to, seam = ends[number + 1], above
         if not seam:
             out.append(line)
         elif not re.match(r"nothing\b", seam["plain"]):

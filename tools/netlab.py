@@ -323,7 +323,8 @@ class Lab:
         """The command line that runs argv (a list, or a string for sh -c) in the host: in its network
         namespace and a new UTS namespace whose hostname is the host's name."""
         if host not in self.hosts:
-            raise LabError(f"netlab: no host {host!r} in lab {self.prefix!r} (hosts: {', '.join(self.hosts)})")
+            raise LabError(f"netlab: no host {host!r} in lab {self.prefix!r} "
+                           f"(hosts: {', '.join(self.hosts)})")
         if isinstance(argv, (str, bytes)):
             argv = ["sh", "-c", argv]
         return ["ip", "netns", "exec", self.namespace(host), "unshare", "--uts", "--",

@@ -103,7 +103,8 @@ def missing_requirements(install=True):
         return f"slurm_lab: {', '.join(absent)} not found and not installable ({NEEDS})"
     if plugin_dir() is None:
         version = ".".join(map(str, slurm_version() or ())) or "unknown"
-        return f"slurm_lab: this Slurm ({version}) has no auth/none plugin (Slurm <= 23.02 needed, e.g. Debian 12)"
+        return (f"slurm_lab: this Slurm ({version}) has no auth/none plugin "
+                f"(Slurm <= 23.02 needed, e.g. Debian 12)")
     return None
 
 
@@ -228,7 +229,9 @@ def _terminate(pids, grace=5.0):
 def remove_stale(prefix=DEFAULT_PREFIX, keep=None):
     """Stop the daemons of clusters with this prefix left behind by a killed run, remove their folders."""
     tmp = tempfile.gettempdir()
-    for folder in glob.glob(os.path.join(tmp, f"{prefix}-slurm-*")) + glob.glob(os.path.join(tmp, f"{prefix}-slurm")):
+    folders = [*glob.glob(os.path.join(tmp, f"{prefix}-slurm-*")),
+               *glob.glob(os.path.join(tmp, f"{prefix}-slurm"))]
+    for folder in folders:
         if keep is not None and Path(folder) == Path(keep):
             continue
         for pidfile in glob.glob(os.path.join(folder, "*.pid")):
@@ -371,7 +374,8 @@ class Cluster:
             if states and all(states.get(n) == "idle" for n in self.node_names):
                 return states
             time.sleep(0.3)
-        raise SlurmError(f"slurm_lab: nodes not idle after {timeout} s: {states or 'no answer from slurmctld'}")
+        raise SlurmError(f"slurm_lab: nodes not idle after {timeout} s: "
+                         f"{states or 'no answer from slurmctld'}")
 
     def _controller_alive(self):
         if "slurmctld" in self._daemons:
@@ -408,8 +412,8 @@ class Cluster:
     def submit(self, script, *args, options=(), cwd=None, env=None):
         """sbatch a script (path) with options and script arguments; the job's id. The job runs in
         `cwd` (default: the cluster's folder, where slurm-<id>.out then goes too)."""
-        result = self.run(["sbatch", "--parsable", *options, str(script), *args], cwd=cwd or self.workdir, env=env,
-                          timeout=60, check=True)
+        result = self.run(["sbatch", "--parsable", *options, str(script), *args], cwd=cwd or self.workdir,
+                          env=env, timeout=60, check=True)
         return int(result.stdout.strip().split(";")[0])
 
     def job_record(self, job_id):

@@ -58,8 +58,8 @@ def sentence(minutes):
 
 def stated(path):
     """The minutes a lesson's first cell states, or None."""
-    found = re.search(r"^\*\*Study time:\*\* about (\d+) minutes", nbformat.read(path, as_version=4).cells[0].source,
-                      re.M)
+    first = nbformat.read(path, as_version=4).cells[0].source
+    found = re.search(r"^\*\*Study time:\*\* about (\d+) minutes", first, re.M)
     return int(found[1]) if found else None
 
 
@@ -69,8 +69,8 @@ def write(path, minutes):
     if LINE.search(first.source):
         first.source = LINE.sub(sentence(minutes), first.source)
     else:  # after the compute-time paragraph
-        first.source = re.sub(r"(^\*\*Time:\*\*.*$)", lambda m: m[1] + "\n\n" + sentence(minutes), first.source,
-                              count=1, flags=re.M)
+        first.source = re.sub(r"(^\*\*Time:\*\*.*$)", lambda m: m[1] + "\n\n" + sentence(minutes),
+                              first.source, count=1, flags=re.M)
     nbformat.write(nb, path)
 
 
@@ -88,7 +88,8 @@ def write_readme(estimates):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write the estimates into the lessons and README")
+    parser.add_argument("--write", action="store_true",
+                        help="write the estimates into the lessons and README")
     args = parser.parse_args()
     estimates = {}
     for path in lessons():

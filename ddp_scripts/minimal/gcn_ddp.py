@@ -316,8 +316,9 @@ def neighbor_loader(data, nodes, sampler, args):
     pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
     from torch_geometric.loader import NeighborLoader
 
-    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes, batch_size=args.batch_size,
-                          neighbor_sampler=sampler, pin_memory=args.device == "cuda",
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
+                          batch_size=args.batch_size, neighbor_sampler=sampler,
+                          pin_memory=args.device == "cuda",
                           num_workers=args.num_workers)
 
 
@@ -449,17 +450,18 @@ def worker(rank, world_size, args, graph=None):
                             timeout=timedelta(seconds=args.timeout))
     try:
         if graph is None:  # torchrun: no launcher has loaded the graph; the ranks do
-            def load(dataset, data_dir, verbose):  # downloads and processes what is not on disk yet
+            def load(dataset):  # downloads and processes what is not on disk yet
                 nonlocal graph
                 args.dataset = dataset
                 graph = load_dataset(args, mapped=True)  # sorted, as prepare_graph sorts it
                 check_enough_seeds(graph[1], world_size)
                 return args.dataset
 
-            load(args.dataset, args.data_dir, True)
+            load(args.dataset)
         train(rank, local_rank, world_size, *graph, args)
     finally:
         dist.destroy_process_group()  # 8. tear down, even after an error
+
 
 def check_device(args, gpu=0):
     """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
@@ -496,7 +498,6 @@ def check_setup(args, rank):
         check_writable(args.save, args.metrics_json)
 
 
-
 def main(args):
     if "RANK" in os.environ:
         # Started by torchrun: this process already is one rank; it checks its set-up first.
@@ -505,8 +506,7 @@ def main(args):
         worker(rank, world_size, args)
         return
     check_setup(args, rank=0)
-    # Started by hand: load the graph ONCE, here, into shared memory; the spawned ranks receive
-    # handles to it (torch.multiprocessing passes shared tensors without copying them).
+    # Started by hand: the graph loaded ONCE, here, in shared memory; the ranks get handles to it.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     data, split, metric = load_dataset(args)
@@ -521,6 +521,7 @@ def free_port():
         s.bind(("", 0))
         return s.getsockname()[1]
 
+
 # --------------------------------------------------------------------------- command line
 def cpu_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -529,6 +530,7 @@ def cpu_cores():
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise UsageError(f"{message} (see --help)")
+
 
 def positive(kind):
     def parse(text):
@@ -564,7 +566,7 @@ def probability(text):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", choices=["gcn"], default="gcn")
     p.add_argument("--dataset", choices=["auto", "synthetic", "ogbn-products", "amazon-products"],
                    default="auto", help="auto: a real graph already in --data-dir, else synthetic")
@@ -603,9 +605,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.nprocs is None:
-        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-        args.nprocs = gpus or 2
+    if args.nprocs is None:  # one process per visible GPU
+        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # processes on this machine
     if args.threads_per_proc is None:
         args.threads_per_proc = max(1, cpu_cores() // procs)

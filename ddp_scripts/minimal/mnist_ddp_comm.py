@@ -45,14 +45,12 @@ except ImportError:  # the progress bar is optional
 
 
 # --------------------------------------------------------------------------- data
-# torchvision's folder (and class) names. torchvision downloads the files; this script reads them
-# itself, and imports torchvision only to download: the import takes ~1.5 s in every process.
+# torchvision's folder names. The script reads the files itself: importing torchvision takes ~1.5 s.
 FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
 MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
 RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-# Debian's package dataset-fashion-mnist puts the four .gz files here (an offline fallback).
-FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 
 
 class UsageError(Exception):
@@ -441,7 +439,7 @@ def positive(kind):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="convnet")
     p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
                    help="auto: MNIST if present or downloadable, else Fashion-MNIST")
@@ -479,9 +477,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.nprocs is None:
-        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-        args.nprocs = gpus or 2
+    if args.nprocs is None:  # one process per visible GPU
+        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
     if args.threads_per_proc is None:
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)

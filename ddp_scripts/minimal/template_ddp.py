@@ -1,0 +1,342 @@
+# The minimal form of ../template_ddp.py, written by tools/make_minimal.py (make minimal):
+# its lesson part, each call into the hardening replaced by the plain code it stands
+# for. What that leaves out: ../README.md. Edit ../template_ddp.py, not this file.
+"""A DDP training script for your own project: replace the functions marked YOUR PROJECT.
+
+    python template_ddp.py --nprocs 2 --epochs 1                   # launches itself (mp.spawn)
+    torchrun --nproc-per-node 2 template_ddp.py --epochs 1         # or let torchrun launch it
+    python template_ddp.py --device cuda --epochs 5                # one process per visible GPU
+
+Self-contained: copy it anywhere, it needs only torch (tqdm optional). As it comes, it trains a
+small regression network on a synthetic data set that it writes itself, so that it runs before you
+change anything. To port a project, replace the functions of the YOUR PROJECT part (flags, data,
+model, optimizer, loss, evaluation sums, checks) and leave the rest: the DDP steps below them and
+the hardening below the fence (timeouts, one-line errors, a whole job that stops when one rank
+fails, torchrun's restarts and several machines) work for any project that fits these functions.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+try:
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
+except ImportError:  # the progress bar is optional
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+class UsageError(Exception):
+    """Something the user can fix: raise it anywhere for a one-line error, without a traceback."""
+
+
+# =============================================================================== YOUR PROJECT
+# Replace these functions with your project's. A batch is whatever your DataLoader yields (here a
+# tuple of tensors); the script moves its tensors to the device and hands it to loss_on() and
+# eval_sums() as it is.
+
+def add_project_flags(parser):
+    """Your project's own flags (the training flags, --epochs --batch-size --lr ..., are below)."""
+    parser.add_argument("--data", type=str, default="data/synthetic_regression.pt",
+                        help="the data file (the default one is written on first use)")
+    parser.add_argument("--hidden", type=positive(int), default=64, help="hidden units")
+
+
+def prepare_data(args):
+    """Put the data in place, once per file system (before training; under torchrun rank 0 goes
+    first, then one rank per other machine). Set `prepare_data = None` when there is nothing to
+    do. Here: write the synthetic data set when the default file is missing."""
+    if os.path.exists(args.data):
+        return
+    if args.data != "data/synthetic_regression.pt":
+        raise UsageError(f"no data file at {args.data}: give the path of an existing file with --data")
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(6000, 8, generator=generator)
+    y = torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.1 * torch.randn(6000, 1, generator=generator)
+    os.makedirs(os.path.dirname(args.data), exist_ok=True)
+    torch.save({"x": x, "y": y}, f"{args.data}.{os.getpid()}.part")
+    os.replace(f"{args.data}.{os.getpid()}.part", args.data)  # whole or not at all
+
+
+def load_datasets(args):
+    """(train set, test set): torch Datasets, loaded by every rank."""
+    try:
+        data = torch.load(args.data, weights_only=True)
+    except (OSError, RuntimeError, KeyError) as err:
+        raise UsageError(f"cannot read {args.data}: {err}") from None
+    train_count = len(data["x"]) * 5 // 6
+    return (TensorDataset(data["x"][:train_count], data["y"][:train_count]),
+            TensorDataset(data["x"][train_count:], data["y"][train_count:]))
+
+
+def build_model(args):
+    return nn.Sequential(nn.Linear(8, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+
+
+def make_optimizer(model, args):
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
+def loss_on(model, batch):
+    """The loss of one training batch: a mean over its samples, as a 0-d tensor."""
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def eval_sums(model, batch):
+    """Sums over one evaluation batch, as a dict with a "count" entry. They are added up over the
+    batches and the ranks, then each other entry is divided by the count: exact means, whatever
+    size each rank's share has."""
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y, reduction="sum"), "count": torch.tensor(len(y))}
+
+
+def check_setup(args, rank):
+    """Refuse, before any work, what cannot work: raise UsageError("...what to do...") for a
+    one-line error. Runs in the launcher (mp.spawn) or in every rank (torchrun)."""
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))
+    if rank == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
+
+
+# =============================================================================== DDP steps
+def to_device(batch, device):
+    """The batch with its tensors on the device (a tuple, list or dict of tensors, or one)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return type(batch)(to_device(v, device) for v in batch)
+
+
+@torch.no_grad()
+def evaluate(model, test_set, args, device, rank, world_size):
+    """eval_sums() over this rank's share of the test set (every world_size-th sample: disjoint
+    shares, each sample once), added up over the ranks."""
+    model.eval()
+    share = Subset(test_set, range(rank, len(test_set), world_size))
+    weight = 1.0 if len(share) else 0.0  # a rank with no sample adds zeros, but still takes part
+    loader = DataLoader(share if len(share) else Subset(test_set, [0]), batch_size=args.batch_size,
+                        pin_memory=device.type == "cuda")
+    names, sums = None, 0
+    for batch in loader:
+        batch_sums = eval_sums(model, to_device(batch, device))
+        names = names or list(batch_sums)
+        sums = sums + weight * torch.stack([batch_sums[n].to(device, torch.float64) for n in names])
+    dist.all_reduce(sums)  # SUM, then divide once: exact means whatever each share's size
+    model.train()
+    count = sums[names.index("count")]
+    return {n: (s / count).item() for n, s in zip(names, sums) if n != "count"}
+
+
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
+
+
+def train(rank, local_rank, world_size, args):
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    train_set, test_set = load_datasets(args)
+
+    # 2. Build the model, then wrap it: the same seed gives every rank the same start (DDP also
+    #    broadcasts rank 0's weights); a per-rank seed afterwards decorrelates dropout.
+    torch.manual_seed(args.seed)
+    model = DDP(build_model(args).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
+    torch.manual_seed(args.seed + rank)
+    optimizer = make_optimizer(model, args)
+
+    # 3. Each rank its share of the data: the same shuffle on every rank, padded so that every
+    #    rank runs the same number of steps.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=not args.no_shuffle, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.num_workers, pin_memory=device.type == "cuda")
+
+    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
+    log(f"training: {world_size} processes on {device.type} ({args.backend}), batch {args.batch_size} "
+        f"per process ({args.batch_size * world_size} in all)", flush=True)
+    history, steps, start = [], 0, time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        epoch_start, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
+                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        for batch in bar:
+            batch = to_device(batch, device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_on(model, batch)
+            loss.backward()  # 4. DDP averages the gradients over the ranks here, during backward
+            optimizer.step()  # ... so every rank takes the same step and the replicas stay equal
+            loss_sum += loss.detach()
+            seen += 1
+            steps += 1
+            if steps == args.max_steps:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
+        seconds = time.perf_counter() - epoch_start
+
+        # 5. Evaluate across ranks: sums over each rank's share, added up, divided once.
+        metrics = evaluate(model.module, test_set, args, device, rank, world_size)
+        train_loss = torch.stack([loss_sum.double(), torch.tensor(seen, dtype=torch.float64, device=device)])
+        dist.all_reduce(train_loss)
+        samples = int(train_loss[1]) * args.batch_size  # batches of all ranks (the last may be short)
+        history.append({"epoch": epoch, "train_loss": (train_loss[0] / train_loss[1]).item(),
+                        **{f"test_{k}": v for k, v in metrics.items()}, "seconds": seconds,
+                        "samples_per_second": samples / seconds, "steps": steps})
+        log(f"epoch {epoch}: train loss {history[-1]['train_loss']:.4f}  "
+            + "  ".join(f"test {k} {v:.4f}" for k, v in metrics.items())
+            + f"  {seconds:.1f} s  {samples / seconds:,.0f} samples/s", flush=True)
+        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": world_size, "device": args.device,
+                                              "batch_size": args.batch_size, "epochs": history})
+        if steps == args.max_steps:
+            break
+
+    # 6. Print and save on rank 0 only; model.module is the plain model, its names without "module.".
+    if rank == 0:
+        print(f"done: {world_size} processes, {steps} steps, "
+              + ", ".join(f"test {k} {v:.4f}" for k, v in metrics.items())
+              + f", {time.perf_counter() - start:.1f} s in all", flush=True)
+        if args.save:
+            torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
+
+
+def worker(rank, world_size, args):
+    """What each process runs, whether spawned by main() or started by torchrun."""
+    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)  # before anything touches CUDA
+    # 1. Join the process group; the timeout bounds every collective.
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if "RANK" in os.environ and prepare_data:  # torchrun: the ranks prepare the data, in turns
+            prepare_data(args)
+        train(rank, local_rank, world_size, args)
+    finally:
+        dist.destroy_process_group()  # 7. tear down, even after an error
+
+
+def free_port():
+    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def check_device(args, gpu=0):
+    """GPUs: one per rank, and NCCL only with them. gpu: this process's GPU, by index."""
+    if args.device == "cpu":
+        if args.backend == "nccl":
+            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
+        return
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
+                         "to run on CPU instead: --device cpu")
+    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
+    if procs > gpus or gpu >= gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
+                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+
+
+def main(args):
+    if "RANK" in os.environ:  # torchrun: this process is one rank; each checks itself first
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        check_setup(args, rank)
+        worker(rank, world_size, args)
+        return
+    # Started by hand: check and prepare once, here; then --nprocs copies of this file.
+    check_setup(args, rank=0)
+    if prepare_data:
+        prepare_data(args)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+
+
+# =============================================================================== command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    add_project_flags(p)
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64, help="per process")
+    p.add_argument("--lr", type=positive(float), default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--nprocs", type=positive(int), default=None,
+                   help="processes to spawn (default: one per visible GPU with --device cuda, else 2; "
+                        "ignored under torchrun)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cpu")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with --device cuda, gloo with --device cpu")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--timeout", type=positive(int), default=300,
+                   help="seconds any collective may wait for the other ranks before failing")
+    args = p.parse_args(argv)
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.nprocs is None:
+        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
+    if args.threads_per_proc is None:
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
+        args.threads_per_proc = max(1, cpu_cores() // procs)
+    return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,309 @@
+"""Lesson 11: model parallelism, for a layer too big for one device or a model too deep for one.
+
+    python mnist_model_parallel.py --mode tp --nprocs 2 --max-steps 50     # tensor parallelism
+    python mnist_model_parallel.py --mode pp --nprocs 2 --microbatches 8   # pipeline parallelism
+
+Lesson 6's MLP (784 -> 2048 -> 2048 -> 10), trained by N processes that each hold a part of it,
+where DDP gives each a whole copy and a part of the batch. Every process here sees the whole global
+batch, and the weights end where one process's would on the same batches.
+  --mode tp  splits the two large layers across the processes (a slice of each weight matrix on each).
+  --mode pp  gives each process a few whole layers (a stage) and passes activations along, one
+             micro-batch after another, so that the stages work at the same time. Try --microbatches
+             1, 2, 4, 8: the idle share (the bubble) shrinks, but each micro-batch has its own costs.
+A teaching script, Gloo on CPU: it reads the data that mnist_single.py (or any lesson script) has
+prepared, and it has none of the hardening of mnist_ddp_cpu.py.
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import struct
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+# --------------------------------------------------------------------------- data (as in lesson 1)
+FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
+MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
+
+
+class UsageError(Exception):
+    """Something the user can fix: reported in one line, without a traceback."""
+
+
+def raw_dir(name, data_dir):
+    return os.path.join(data_dir, FOLDERS[name], "raw")  # torchvision's layout
+
+
+def read_idx(path):
+    """One file in MNIST's IDX format: 0, 0, 8 (unsigned bytes), the number of dimensions, each
+    size as a big-endian 32-bit integer, then the values."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())  # writable, as torch.frombuffer wants
+    try:
+        shape = struct.unpack_from(f">{data[3]}I", data, 4)
+    except (IndexError, struct.error):  # not even a whole header
+        shape = ()
+    offset = 4 + 4 * len(shape)
+    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != offset + math.prod(shape):
+        raise UsageError(f"{path} is not a whole MNIST-format file (cut short by an interrupted "
+                         f"download or copy?): delete it and run again to fetch it anew")
+    return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
+
+
+def load_split(name, data_dir, train):
+    """Decode the whole split into tensors once: no per-sample PIL work while training."""
+    prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
+    images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
+    mean, std = MEAN_STD[name]
+    images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
+    return images, labels.long()
+
+
+def global_batches(images, labels, args):
+    """The same global batches on every rank (the same seed, the same order), --max-steps at most:
+    whole batches only, so that every step (and every micro-batch) has the same size."""
+    steps = 0
+    for epoch in range(1, args.epochs + 1):
+        order = (torch.arange(len(labels)) if args.no_shuffle else
+                 torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed + epoch)))
+        for start in range(0, len(order) - args.batch_size + 1, args.batch_size):
+            index = order[start:start + args.batch_size]
+            yield images[index], labels[index]
+            steps += 1
+            if steps == args.max_steps:
+                return
+
+
+def build_model(width=2048):
+    """Lesson 6's MLP (mnist_ddp_comm.py, --model mlp), its hidden width a flag here."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+def tensor_parallel(model, mesh):
+    """Split the hidden block over the ranks; returns the same model, its weights now DTensors.
+
+    Layer "1", Linear(784, W), column-wise: rank r holds W/N of its W output features (rows of the
+        weight, W/N x 784, and their biases). From the whole input, it makes its W/N features.
+    Layer "2", ReLU: works on each rank's W/N features alone.
+    Layer "3", Linear(W, W), row-wise: rank r holds the W x W/N columns of the weight that read its
+        W/N features, and makes a partial sum of all W outputs. One all-reduce adds the N partial
+        sums (the bias, held whole, is added once): every rank then has the whole activation.
+    Layers "4" and "5", ReLU and Linear(W, 10): small, whole on every rank (plain tensors). They see
+        the same activation and labels everywhere, so they get the same gradients without a collective.
+    """
+    return parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+
+
+def full_state_dict(model):
+    """Each sharded weight gathered whole (an all-gather: every rank must call this)."""
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
+
+
+def shape(t):
+    return "x".join(map(str, t.shape))
+
+
+def counts(mode):
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()} or "none"
+
+
+def train_tp(rank, world_size, args, model, images, labels):
+    model = tensor_parallel(model, init_device_mesh("cpu", (world_size,)))  # 1. a mesh of N ranks
+    if rank == 0 and not args.quiet:
+        held = [f"{name} {shape(t.to_local() if isinstance(t, DTensor) else t)} of {shape(t)}"
+                for name, t in model.state_dict().items()]
+        print(f"rank 0 holds {', '.join(held)}", flush=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # on each rank's shard
+    losses, seconds = [], []
+    for x, y in global_batches(images, labels, args):  # 2. every rank: the same whole global batch
+        start = time.perf_counter()
+        count = rank == 0 and not losses and not args.quiet  # count the collectives of the first step
+        forward, backward = (CommDebugMode(), CommDebugMode()) if count else (nullcontext(), nullcontext())
+        optimizer.zero_grad()
+        with forward:
+            loss = F.cross_entropy(model(x), y)  # 3. one all-reduce (layer 3's output, B x W floats)
+        with backward:
+            loss.backward()  # 4. none: layer 1's input needs no gradient, the rest is local
+            optimizer.step()  # 5. none: each rank steps its own shard
+        losses.append(loss.item())
+        seconds.append(time.perf_counter() - start)
+        if count:
+            print(f"collectives in one step: forward {counts(forward)}, backward and step "
+                  f"{counts(backward)}", flush=True)
+    return full_state_dict(model), losses, seconds  # 6. all-gather the shards
+
+
+# --------------------------------------------------------------------------- pipeline parallelism
+CUTS = [3, 5]  # where the MLP can be cut: before layer "3" (Linear(W, W)) and before "5" (Linear(W, 10))
+
+
+def train_pp(rank, world_size, args, model, images, labels):
+    # 1. Stage r holds whole layers: with 2 ranks, stage 0 holds layers 0-2 (Flatten, Linear(784, W),
+    #    ReLU) and stage 1 layers 3-5 (Linear(W, W), ReLU, Linear(W, 10)); with 3, one Linear each.
+    #    A slice of an nn.Sequential keeps the layers' names ("3.weight"), so the parts reassemble.
+    #    The stages are unequal (784 x W weights against W x W): the larger one sets the pace.
+    bounds = [0, *CUTS[:world_size - 1], len(model)]
+    part = model[bounds[rank]:bounds[rank + 1]]
+    stage = PipelineStage(part, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
+    # 2. GPipe: all micro-batches forward, then all backward. The loss function runs on the last
+    #    stage, on each micro-batch; the gradients are summed over the micro-batches and divided by
+    #    their number (scale_grads): the mean loss of the whole batch, as one process would have.
+    schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=F.cross_entropy)
+    optimizer = torch.optim.SGD(part.parameters(), lr=args.lr, momentum=0.9)
+    if rank == 0 and not args.quiet:
+        print(f"{world_size} stages, layers {bounds}; {args.microbatches} micro-batches of "
+              f"{args.batch_size // args.microbatches}", flush=True)
+    losses, seconds = [], []
+    for x, y in global_batches(images, labels, args):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        # 3. Stage 0 feeds the images, the last stage the labels. Forward, stage r sends each
+        #    micro-batch's activation (B/M x W) to stage r+1; backward, its gradient back to stage r:
+        #    2 x M x (N-1) point-to-point messages a step, no collective. Each micro-batch's backward
+        #    also adds a whole weight gradient to .grad: tiny micro-batches cost more than they save.
+        micro_losses = []
+        schedule.step(*([x] if stage.is_first else []), target=y if stage.is_last else None,
+                      losses=micro_losses)
+        optimizer.step()  # 4. each stage steps its own layers: no collective
+        if stage.is_last:
+            losses.append(torch.stack(micro_losses).mean().item())  # equal micro-batches: the batch's mean
+        seconds.append(time.perf_counter() - start)
+    # 5. Rank 0 collects the stages' weights (and the last stage's losses).
+    parts = [None] * world_size if rank == 0 else None
+    dist.gather_object((part.state_dict(), losses), parts, dst=0)
+    if rank != 0:
+        return None, None, seconds
+    return {name: t for weights, _ in parts for name, t in weights.items()}, parts[-1][1], seconds
+
+
+# --------------------------------------------------------------------------- one rank
+def worker(rank, world_size, args):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    torch.set_num_threads(max(1, os.cpu_count() // world_size))
+    images, labels = load_split(args.dataset, args.data_dir, train=True)
+    torch.manual_seed(args.seed)
+    model = build_model(args.width)  # the same initial weights on every rank (the same seed)
+    train = train_tp if args.mode == "tp" else train_pp
+    weights, losses, seconds = train(rank, world_size, args, model, images, labels)
+
+    if rank == 0:  # the gathered weights, in a plain one-process model
+        plain = build_model(args.width)
+        plain.load_state_dict(weights)
+        test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
+        with torch.no_grad():
+            correct = sum((plain(x).argmax(1) == y).sum().item()
+                          for x, y in zip(test_images.split(512), test_labels.split(512)))
+        # the median step, the first left out (it also sets things up: the stages' shapes, the buffers)
+        per_step = torch.tensor(seconds[1:] or seconds or [0.0]).median().item()
+        how = "tensor parallel" if args.mode == "tp" else "pipeline parallel"
+        extra = ""
+        if args.mode == "pp":  # GPipe idles each stage for N-1 of the M+N-1 slots of a step
+            bubble = (world_size - 1) / (args.microbatches + world_size - 1)
+            extra = f", {args.microbatches} micro-batches, bubble (N-1)/(M+N-1) = {bubble:.0%}"
+        print(f"done: mlp (width {args.width}) on {args.dataset}, {how} over {world_size} processes"
+              f"{extra}, {len(losses)} steps, {per_step * 1000:.1f} ms a step (median), final loss "
+              f"{losses[-1] if losses else float('nan'):.4f}, test accuracy {correct / len(test_labels):.2%}",
+              flush=True)
+        if args.save:
+            torch.save(plain.state_dict(), args.save)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as f:
+                json.dump({"mode": args.mode, "world_size": world_size, "width": args.width,
+                           "batch_size": args.batch_size, "microbatches": args.microbatches,
+                           "loss": losses, "seconds_per_step": seconds}, f, indent=2)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- command line
+def free_port():
+    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--mode", choices=["tp", "pp"], required=True,
+                   help="tp: tensor parallelism, pp: pipeline parallelism")
+    p.add_argument("--nprocs", type=positive(int), default=2)
+    p.add_argument("--width", type=positive(int), default=2048, help="the MLP's hidden width")
+    p.add_argument("--microbatches", type=positive(int), default=4, help="(pp) per global batch")
+    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
+                   help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64, help="global: every rank sees all of it")
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None)
+    p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--save", type=str, default=None, help="write the whole model's state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None, help="loss and seconds per step")
+    p.add_argument("--quiet", action="store_true", help="print only the final line")
+    p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
+    args = p.parse_args(argv)
+
+    if args.mode == "tp" and args.width % args.nprocs:
+        raise UsageError(f"--width {args.width} does not split evenly over --nprocs {args.nprocs} "
+                         f"(tensor parallelism gives each process width/nprocs features)")
+    if args.mode == "pp" and args.nprocs > len(CUTS) + 1:
+        raise UsageError(f"--nprocs {args.nprocs}: the MLP has {len(CUTS) + 1} linear layers, so at "
+                         f"most {len(CUTS) + 1} pipeline stages")
+    if args.mode == "pp" and args.batch_size % args.microbatches:
+        raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "
+                         f"{args.batch_size}: every micro-batch must have the same size")
+
+    def present(name):
+        return os.path.exists(os.path.join(raw_dir(name, args.data_dir), "t10k-labels-idx1-ubyte"))
+
+    if args.dataset is None:
+        args.dataset = "mnist" if present("mnist") else "fashion-mnist"
+    if not present(args.dataset):
+        raise UsageError(f"no {args.dataset} files in {raw_dir(args.dataset, args.data_dir)}: run "
+                         f"mnist_single.py once with the same --data-dir to prepare them")
+    return args
+
+
+def main(args):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except UsageError as err:  # something the user can fix: one line, no traceback
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")

@@ -1,0 +1,77 @@
+"""Figure for "DDP from the inside": the time of one all-reduce against its size, by hand and Gloo's.
+
+    python ddp_scripts/allreduce_by_hand.py --mode measure --json build/allreduce.json
+    python tools/draw_allreduce_cost.py build/allreduce.json [--out figures/allreduce_cost.png]
+
+Reads the JSON that allreduce_by_hand.py writes: the measured medians of ring_all_reduce and
+dist.all_reduce on log-log axes, with the fitted T = alpha + sent / beta of each as a line (sent:
+the bytes each rank sends, 2 (N - 1) / N x the message), alpha and beta in the legend, and the
+machine and date of the measurement in the title.
+"""
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COLOURS = {"ring": "#c0504d", "torch": "#4f81bd"}
+LABELS = {"ring": "ring_all_reduce (by hand)", "torch": "dist.all_reduce (Gloo)"}
+
+
+def fit_label(fit):
+    beta = fit["beta_bytes_per_s"]
+    return f"α = {1e6 * fit['alpha_s']:.0f} µs, β = " + (f"{beta / 1e9:.2f} GB/s" if beta else "none")
+
+
+def draw(json_path, out_path=REPO / "figures" / "allreduce_cost.png"):
+    """Draw the measurements in json_path to out_path (a PNG); returns out_path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    data = json.loads(Path(json_path).read_text())
+    rows = data["rows"]
+    sizes = [r["bytes"] for r in rows]
+    share = 2 * (data["nprocs"] - 1) / data["nprocs"]  # bytes each rank sends per byte all-reduced
+    grid = [sizes[0] * (sizes[-1] / sizes[0]) ** (i / 200) for i in range(201)]  # even on a log axis
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("ring", "torch"):
+        ax.plot(sizes, [1e3 * r[f"{name}_s"] for r in rows], "o", color=COLOURS[name],
+                label=f"{LABELS[name]}, measured")
+        fit = data["fit"][name]
+        beta = fit["beta_bytes_per_s"]
+        model = [1e3 * (fit["alpha_s"] + (share * size / beta if beta else 0)) for size in grid]
+        ax.plot(grid, model, "-", color=COLOURS[name], lw=1, label=f"fit: {fit_label(fit)}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes of float32 all-reduced)")
+    ax.set_ylabel("time of one all-reduce (ms)")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 0.1, 1, 10 ms
+    ax.yaxis.set_minor_formatter(FuncFormatter(  # and 2 and 5 times those
+        lambda value, _: f"{value:g}" if f"{value:e}"[0] in "25" else ""))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.grid(True, which="major", color="#ddd", lw=0.6)
+    ax.legend(fontsize=8, loc="upper left")
+    machine = data["machine"]
+    ax.set_title(f"All-reduce over {data['nprocs']} processes, T = α + sent / β, sent = 2 (N - 1) / N × size "
+                 f"(median of {data['repeats']})\n{machine['cpu']}, {machine['cores']} cores, torch "
+                 f"{machine['torch']}, {data['date'][:10]}", fontsize=8)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", type=Path, help="written by allreduce_by_hand.py --mode measure --json")
+    parser.add_argument("--out", type=Path, default=REPO / "figures" / "allreduce_cost.png")
+    args = parser.parse_args()
+    print(f"wrote {draw(args.json, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
