@@ -62,11 +62,8 @@ test: setup  ## the whole test suite and every notebook (what CI runs)
 test-quick: setup  ## the suite without the notebooks and the multi-process cluster tests (for development)
 	$(PY) -m pytest -m "not slow and not cluster"
 
-bench: setup  ## measured start-up and speed-ups on this machine (prints ratios, writes figures/ and build/bench/)
-	$(PY) tools/bench_startup.py
-	$(PY) tools/bench.py
-	$(PY) tools/bench_comm.py
-	$(PY) tools/bench_gcn.py
+bench: setup  ## measure on this machine, each benchmark in turn (BENCH="gcn cpu": only those; ratios, figures/, build/bench/)
+	$(PY) tools/bench_all.py $(BENCH)
 
 gpu-check: setup  ## lessons 3 and 4 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
 	$(PY) tools/gpu_check.py

@@ -234,8 +234,8 @@ def train(rank, local_rank, world_size, args):
         batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
-        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        # plain: bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
+        bar = progress(batches, f"epoch {epoch}", rank == 0 and not args.quiet)
         for index in bar:
             x, y = train_images[index], train_labels[index]
             optimizer.zero_grad(set_to_none=True)
@@ -462,6 +462,33 @@ def add_hardening_flags(parser, prepare=True):
     # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
     # variable, which they set too, is what counts (as PyTorch recommends).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def progress(steps, desc, show):
+    """The steps of an epoch, their progress shown when `show`: tqdm's live bar in a terminal;
+    elsewhere (a notebook's cell, a log file) a line now and then, at most one every 5 s and 20 an
+    epoch, so that a long epoch is seen to move: "  [epoch 1] 40/94 steps, 1,234 samples/s, 12 s
+    left" (never "epoch 1: ...", which starts the epoch's own summary)."""
+    if not show:
+        return steps
+    if sys.stdout.isatty():
+        return tqdm(steps, desc=desc, leave=False)
+    return progress_lines(steps, desc)
+
+
+def progress_lines(steps, desc):
+    total, start, last, said, samples = len(steps), time.monotonic(), time.monotonic(), 0, 0
+    for done, step in enumerate(steps, 1):
+        yield step
+        size = getattr(step, "batch_size", None)  # a graph batch's seed nodes
+        first = next(iter(step.values())) if isinstance(step, dict) else (
+            step[0] if isinstance(step, (tuple, list)) else step)
+        samples += size if isinstance(size, int) else len(first)
+        now = time.monotonic()
+        if now - last >= 5 and said < 20 and done < total:
+            print(f"  [{desc}] {done}/{total} steps, {samples / (now - start):,.0f} samples/s, "
+                  f"{(total - done) * (now - start) / done:.0f} s left", flush=True)
+            last, said = now, said + 1
 
 
 def master_port():

@@ -33,8 +33,7 @@ def run(*args, check=True, memory=None):
     print("$ python " + " ".join(shlex.quote(a) for a in argv), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # each run picks a free port
     done = False
-    with subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, text=True, bufsize=1,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+    with start(argv, env, watched=memory is not None) as proc:
         if memory is not None:
             memory.watch(proc)
         try:
@@ -52,6 +51,26 @@ def run(*args, check=True, memory=None):
         raise RuntimeError("the script ended without its 'done:' summary line: it did not train to "
                            "the end (its output is above)")
     return None if check else proc.returncode
+
+
+def start(argv, env, watched=False):
+    """subprocess.Popen([python, *argv]), its output and errors as one stream of lines. In the test
+    suite (COURSE_PRELOADED=1, set by tests/conftest.py), forked instead from a Python that has
+    imported torch already (tests/launcher.py): the same run, seconds sooner. Not for a run whose
+    memory is measured (its pages would be shared with that Python)."""
+    if os.environ.get("COURSE_PRELOADED") == "1" and not watched:
+        global LAUNCHER
+        if LAUNCHER is None:
+            sys.path.insert(0, str(REPO / "tests"))
+            from launcher import Launcher
+
+            LAUNCHER = Launcher(existing=os.environ.get("COURSE_LAUNCHER"))  # the suite's, if it runs
+        return LAUNCHER.popen(argv, env, REPO, merge=True)
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, text=True, bufsize=1,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+LAUNCHER = None
 
 
 def trains(argv):

@@ -1,98 +1,50 @@
-"""Shared helpers: paths, running a script as a user would (a subprocess with a time limit),
-and the dataset prepared once for the whole session."""
-import contextlib
-import importlib.util
-import io
-import json
+"""The suite's fixtures, and its tiers. Each folder is a tier, marked as such: unit/ (in-process),
+e2e/ (one launched run per contract), cluster/ (several agents, faults, the network lab, Slurm);
+the notebooks run as tests too (nbmake), marked `slow` with the cluster tier and the longest e2e
+tests. `pytest` runs everything; `make test-quick` leaves out what is marked `slow`."""
 import os
-import struct
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "ddp_scripts"
-DATA_DIR = REPO / "data"
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
+sys.path.insert(0, str(Path(__file__).parent))  # helpers.py, from every tier's folder
+from helpers import DATA_DIR, REPO, load_script  # noqa: E402
+
+sys.path.insert(0, str(REPO / "notebooks"))
+import course_helpers  # noqa: E402
 
 # The notebooks run as tests too (nbmake, testpaths in pyproject.toml): in smoke mode, tiny runs,
 # unless COURSE_SMOKE=0 is set (the kernels inherit this environment). A notebook fails when a cell
 # raises: its asserts, or course_helpers.run() finding a script failed or ended without "done:".
 os.environ.setdefault("COURSE_SMOKE", "1")
+# ... and their runs (course_helpers.run), as the tests' own, are forked from a Python with torch
+# imported already (tests/launcher.py); COURSE_PRELOADED=0 starts each in a new interpreter.
+os.environ.setdefault("COURSE_PRELOADED", "1")
+
+
+def pytest_sessionstart(session):
+    """One preloaded Python for the whole session, the notebooks' kernels included."""
+    if os.environ.get("COURSE_PRELOADED") == "1":
+        from helpers import PRELOADED
+
+        os.environ["COURSE_LAUNCHER"] = PRELOADED.ensure_started()
+
+
+TIERS = ("unit", "e2e", "cluster")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.suffix == ".ipynb":
-            item.add_marker(pytest.mark.slow)  # make test-quick leaves the notebooks out
-
-
-# Offline for urllib (pass as script_env(**OFFLINE)): every download goes to a proxy on a port
-# where nothing listens.
-OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
-
-
-def load_script(name):
-    """Import a script from ddp_scripts/ as a module (they are files to copy, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def script_env(**extra):
-    env = dict(os.environ)
-    env.pop("MASTER_PORT", None)  # each run picks its own free port
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def torchrun(nprocs):
-    """run_script's `launcher` for torchrun with nprocs processes on this machine."""
-    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs)]
-
-
-def run_script(script, *args, timeout=240, env=None, launcher=None):
-    """Run ddp_scripts/<script> (or under `launcher`, e.g. torchrun) and return the result."""
-    command = [sys.executable] + (launcher or []) + [str(SCRIPTS / script)] + [str(a) for a in args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=env or script_env(), cwd=REPO)
-
-
-def refused_before_spawn(module, monkeypatch, argv, gpus):
-    """Run a script's command line in-process with `gpus` faked GPUs: it must refuse in one line
-    on stderr, within seconds, before anything is spawned. Returns the line."""
-    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: gpus > 0)
-    monkeypatch.setattr(module.torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(module.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
-    monkeypatch.delenv("RANK", raising=False)
-    start = time.monotonic()
-    stderr = io.StringIO()
-    with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(stderr):
-        module.run_main(argv)
-    assert time.monotonic() - start < 5
-    assert exit_info.value.code not in (0, None)
-    message = stderr.getvalue().strip()
-    assert "\n" not in message and "error" in message
-    return message
-
-
-def read_metrics(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-@pytest.fixture
-def blocker(tmp_path):
-    """A file where a folder would have to be created: no folder can be made below it (even as root)."""
-    path = tmp_path / "a-file"
-    path.write_text("not a folder")
-    return path
+            item.add_marker(pytest.mark.notebook)
+            item.add_marker(pytest.mark.slow)
+            continue
+        tier = next((t for t in TIERS if t in item.path.parts), None)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier == "cluster":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -103,31 +55,24 @@ def dataset():
 
 @pytest.fixture(scope="session")
 def data_args(dataset):
-    return ["--dataset", dataset, "--data-dir", DATA_DIR]
-
-
-def write_idx(path, tensor):
-    """Write a uint8 tensor in the IDX format of the MNIST files (magic, sizes, bytes)."""
-    with open(path, "wb") as f:
-        f.write(struct.pack(">HBB", 0, 0x08, tensor.dim()))
-        f.write(struct.pack(f">{tensor.dim()}I", *tensor.shape))
-        f.write(tensor.numpy().tobytes())
+    """The data flags of most runs: the first 6,000 training and 1,000 test images of the dataset,
+    in its own files and layout (data/smoke, as the notebooks' smoke mode uses): every run loads
+    and scores a tenth of the data."""
+    return ["--dataset", dataset, "--data-dir", course_helpers.small_copy(dataset, DATA_DIR / "smoke")]
 
 
 @pytest.fixture(scope="session")
-def small_data_args(dataset, tmp_path_factory):
-    """The first 6,000 training and 1,000 test images of the dataset, in its own files' format and
-    layout: for tests that need whole epochs, at a tenth of the cost."""
-    single = load_script("mnist_single")
-    folder = tmp_path_factory.mktemp("small-data")
-    raw = Path(single.raw_dir(dataset, str(folder)))
-    raw.mkdir(parents=True)
-    source = Path(single.raw_dir(dataset, str(DATA_DIR)))
-    for name, count in (("train", 6000), ("t10k", 1000)):
-        for kind in ("images-idx3", "labels-idx1"):
-            values = single.read_idx(str(source / f"{name}-{kind}-ubyte"))
-            write_idx(raw / f"{name}-{kind}-ubyte", values[:count])
-    return ["--dataset", dataset, "--data-dir", folder]
+def full_data_args(dataset):
+    """The whole dataset, for the tests that are about it."""
+    return ["--dataset", dataset, "--data-dir", DATA_DIR]
+
+
+@pytest.fixture
+def blocker(tmp_path):
+    """A file where a folder would have to be created: no folder can be made below it (even as root)."""
+    path = tmp_path / "a-file"
+    path.write_text("not a folder")
+    return path
 
 
 @pytest.fixture
@@ -141,3 +86,73 @@ def one_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def in_process_rank(monkeypatch):
+    """The environment of a script's worker run in this process as a one-rank job (worker(0, 1,
+    args)): a free port, no torchrun variables; the thread count restored afterwards."""
+    import torch
+    from helpers import free_port
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+STEPS = 25  # the equality runs' steps: far enough for a wrong average to show, short
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, data_args):
+    """trained(script, *flags, env=None) -> the state_dict that `script` saves after STEPS steps of
+    the linear model on unshuffled data, nothing random: the runs that compare weights. Each
+    distinct command runs once per session, whichever tests ask for it."""
+    import torch
+    from helpers import run_script, script_env
+
+    folder, cache = tmp_path_factory.mktemp("trained"), {}
+
+    def train(script, *flags, env=None):
+        key = (script, tuple(map(str, flags)), tuple(sorted((env or {}).items())))
+        if key not in cache:
+            path = folder / f"run{len(cache)}.pt"
+            r = run_script(script, "--model", "linear", "--no-shuffle", "--max-steps", STEPS, "--quiet",
+                           "--save", path, *flags, *data_args, env=script_env(**env) if env else None)
+            assert r.returncode == 0, r.stderr
+            cache[key] = torch.load(path)
+        return cache[key]
+
+    return train
+
+
+RESUME_LINEAR = ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--epochs", 3]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, data_args):
+    """Lesson 5's reference: the linear model trained 3 epochs by 2 spawned processes, never
+    interrupted (RESUME_LINEAR). Its snapshot folder starts with .part files as earlier writers
+    would have left them (test_a_part_left_by_a_killed_writer_is_removed). Returns its weights'
+    path; its snapshot is s.pt beside it."""
+    import socket
+    import subprocess
+
+    from helpers import read_metrics, run_script
+
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    ended = subprocess.Popen(["true"])  # a process that has ended: its id names a dead writer
+    ended.wait()
+    host = socket.gethostname()
+    for name in (f"s.pt.{host}.{ended.pid}.part", f"s.pt.{host}.{os.getpid()}.part",
+                 f"s.pt.elsewhere.{ended.pid}.part"):
+        (folder / name).write_bytes(b"half a snapshot")
+    r = run_script("mnist_ddp_resume.py", *RESUME_LINEAR, *data_args, "--nprocs", 2, "--snapshot",
+                   folder / "s.pt", "--save", folder / "w.pt", "--metrics-json", folder / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert read_metrics(folder / "m.json")["resumed_after_epoch"] == 0
+    return folder / "w.pt"

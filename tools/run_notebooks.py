@@ -25,11 +25,12 @@ def main():
     notebooks = args.notebooks or sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)
     failed = []
-    for nb in notebooks:
+    for number, nb in enumerate(notebooks, 1):
         nb = nb.resolve()
         start = time.perf_counter()
         shown = nb.relative_to(REPO) if nb.is_relative_to(REPO) else nb
-        print(f"running {shown} (SMOKE={args.smoke}) ...", flush=True)
+        print(f"[{number}/{len(notebooks)}] running {shown} (SMOKE={args.smoke}; {len(notebooks) - number} "
+              f"after it) ...", flush=True)
         try:
             papermill.execute_notebook(str(nb), str(args.out / nb.name), cwd=str(nb.parent),
                                        parameters={"SMOKE": args.smoke}, kernel_name="python3",

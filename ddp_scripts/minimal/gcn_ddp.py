@@ -362,8 +362,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    # 3. One sampler per rank over the shared graph (edges already sorted: no copy); sampling
-    #    runs on the CPU, the sampled batch then moves to the GPU.
+    # 3. One sampler per rank over the shared graph (edges sorted: no copy), on the CPU.
     sampler = NeighborSampler(data, num_neighbors=args.num_neighbors, is_sorted=True)
     # Scoring millions of test nodes every epoch costs more than training on a big graph:
     # --eval-nodes scores a fixed random subset (the same on every rank) instead.
@@ -383,8 +382,7 @@ def train(rank, local_rank, world_size, data, split, metric, args):
         epoch_start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         seeds, sampled = 0, 0
-        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         for batch in bar:
             batch = batch.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)

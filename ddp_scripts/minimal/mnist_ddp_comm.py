@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import struct
-import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -260,8 +259,7 @@ def train(rank, local_rank, world_size, args):
         batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
-        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         for i, index in enumerate(bar):
             # Micro-batches go in groups of --accum-steps (the epoch's last group may be shorter;
             # every rank has as many micro-batches, so all agree on where the groups end).

@@ -293,8 +293,7 @@ def train(rank, world_size, args):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start = time.perf_counter()
         loss_sum, seen = 0.0, 0
-        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         for x, y in bar:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)

@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import struct
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -237,8 +236,7 @@ def train(rank, local_rank, world_size, args):
         batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
-        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         for index in bar:
             x, y = train_images[index], train_labels[index]
             optimizer.zero_grad(set_to_none=True)

@@ -271,8 +271,7 @@ def train(rank, local_rank, world_size, args):
         batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
         epoch_start = time.perf_counter()
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
-        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         for step_in_epoch, index in enumerate(bar):
             if (epoch == args.crash_in_epoch and epoch > first_epoch and rank == world_size - 1
                     and step_in_epoch == len(batches) // 2):

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -176,8 +175,7 @@ def train(rank, local_rank, world_size, args):
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
-        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False,
-                   disable=rank != 0 or args.quiet or not sys.stdout.isatty())
+        bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         for batch in bar:
             batch = to_device(batch, device)
             optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,139 @@
+"""Model parallelism (mnist_model_parallel.py) splits the model, not the batch: N processes that
+each hold a part of the MLP, all seeing the whole global batch, end with the weights of one process
+trained on the same batches (--no-shuffle; the MLP has nothing random but its initial weights)."""
+import runpy
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import REPO, SCRIPTS, load_script, max_abs_diff, read_metrics, run_script
+
+sys.path.insert(0, str(REPO / "notebooks"))
+import course_helpers  # noqa: E402
+
+SCRIPT = SCRIPTS / "mnist_model_parallel.py"
+WIDTH, BATCH, STEPS, LR = 64, 64, 10, 0.01
+
+
+@pytest.fixture(scope="module")
+def smoke_args():
+    """The small copy of the data (data/smoke), made from data/ if it is not there yet."""
+    folder = REPO / "data" / "smoke"
+    dataset = "mnist" if (REPO / "data" / "MNIST" / "raw").exists() else "fashion-mnist"
+    course_helpers.small_copy(dataset, folder)
+    return ["--dataset", dataset, "--data-dir", str(folder)]
+
+
+def plain_mlp(width):
+    """Lesson 6's MLP, as one process builds it (mnist_ddp_comm.py's build_model("mlp"), any width)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def one_process(smoke_args, batch, steps=STEPS, width=WIDTH):
+    """The reference: one process, the plain model, the first `steps` batches in order."""
+    dataset, data_dir = smoke_args[1], smoke_args[3]
+    images, labels = load_script("mnist_model_parallel").load_split(dataset, data_dir, train=True)
+    torch.manual_seed(0)
+    model = plain_mlp(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        x, y = images[step * batch:(step + 1) * batch], labels[step * batch:(step + 1) * batch]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def train(tmp_path, smoke_args, mode, *args):
+    weights, metrics = tmp_path / f"{mode}.pt", tmp_path / f"{mode}.json"
+    r = run_script(SCRIPT.name, "--mode", mode, "--nprocs", "2", "--width", WIDTH, "--batch-size", BATCH,
+                   "--lr", LR, "--max-steps", STEPS, "--no-shuffle", "--save", weights, "--metrics-json",
+                   metrics, "--quiet", *smoke_args, *args, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("done:"), r.stdout
+    return torch.load(weights), read_metrics(metrics), r.stdout
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory, smoke_args):
+    return train(tmp_path_factory.mktemp("tp"), smoke_args, "tp")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, smoke_args):
+    return train(tmp_path_factory.mktemp("pp"), smoke_args, "pp", "--microbatches", "4")
+
+
+@pytest.fixture(scope="module")
+def reference(smoke_args):
+    """One process on the same global batches, and the control: one process with half the batch."""
+    return one_process(smoke_args, BATCH), one_process(smoke_args, BATCH // 2)
+
+
+def check_matches_one_process(weights, metrics, reference):
+    same_batches, half_batches = reference
+    assert max_abs_diff(same_batches, weights) < 1e-5
+    # The comparison can fail: half the batch takes other steps.
+    assert max_abs_diff(half_batches, weights) > 1e-3
+    assert len(metrics["loss"]) == len(metrics["seconds_per_step"]) == STEPS
+
+
+def test_tensor_parallel_matches_one_process_on_the_same_batches(tensor_parallel, reference):
+    weights, metrics, _ = tensor_parallel
+    check_matches_one_process(weights, metrics, reference)
+
+
+def test_pipeline_matches_one_process_on_the_same_batches(pipeline, reference):
+    weights, metrics, stdout = pipeline
+    check_matches_one_process(weights, metrics, reference)
+    assert "4 micro-batches, bubble (N-1)/(M+N-1) = 20%" in stdout
+
+
+def test_tensor_parallel_and_pipeline_report_the_same_losses(tensor_parallel, pipeline):
+    assert tensor_parallel[1]["loss"] == pytest.approx(pipeline[1]["loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("run", ["tensor_parallel", "pipeline"])
+def test_tensor_parallel_and_pipeline_checkpoints_load_into_the_plain_model(run, request):
+    """--save gathers the parts (DTensor shards, pipeline stages) into one plain state_dict."""
+    weights = request.getfixturevalue(run)[0]
+    assert all(type(t) is torch.Tensor for t in weights.values())
+    plain_mlp(WIDTH).load_state_dict(weights)  # strict: every key, every shape
+
+
+def test_tensor_parallel_model_is_lesson_6s_mlp():
+    script, comm = load_script("mnist_model_parallel"), load_script("mnist_ddp_comm")
+    ours, lesson_6 = script.build_model().state_dict(), comm.build_model("mlp").state_dict()
+    assert {k: t.shape for k, t in ours.items()} == {k: t.shape for k, t in lesson_6.items()}
+
+
+def refusal(monkeypatch, capsys, *argv):
+    """The script run as `python mnist_model_parallel.py ...`, in this process (it refuses before it
+    spawns anything): the one line it exits with, which Python prints on stderr with exit status 1."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert capsys.readouterr().out == ""
+    message = str(exit_info.value.code)
+    assert message.startswith("mnist_model_parallel.py: error: ") and "\n" not in message
+    return message
+
+
+def test_tensor_parallel_refuses_a_width_the_ranks_cannot_split(monkeypatch, capsys, smoke_args):
+    message = refusal(monkeypatch, capsys, "--mode", "tp", "--nprocs", 3, *smoke_args)
+    assert message == ("mnist_model_parallel.py: error: --width 2048 does not split evenly over --nprocs 3 "
+                       "(tensor parallelism gives each process width/nprocs features)")
+
+
+def test_pipeline_refuses_micro_batches_that_do_not_divide_the_batch(monkeypatch, capsys, smoke_args):
+    message = refusal(monkeypatch, capsys, "--mode", "pp", "--batch-size", 64, "--microbatches", 5,
+                      *smoke_args)
+    assert "--microbatches 5 does not divide --batch-size 64" in message
+
+
+def test_pipeline_refuses_more_stages_than_the_mlp_has_layers(monkeypatch, capsys, smoke_args):
+    message = refusal(monkeypatch, capsys, "--mode", "pp", "--nprocs", 4, *smoke_args)
+    assert "--nprocs 4: the MLP has 3 linear layers, so at most 3 pipeline stages" in message

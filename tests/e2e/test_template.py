@@ -1,0 +1,176 @@
+"""ddp_scripts/template_ddp.py, used as a user would: copied alone into an empty folder it trains
+with both launchers; then another project is swapped in (its own data file, model, loss and
+metrics: the YOUR PROJECT functions replaced, nothing else), and the copy trains, saves a
+checkpoint that loads into the plain model, refuses a bad flag and a missing data file in one line
+each, and ends whole when a rank is killed."""
+import difflib
+import importlib.util
+import os
+import random
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from helpers import SCRIPTS, ends_promptly_and_whole, read_metrics, run_script, torchrun, training_job
+
+TEMPLATE = SCRIPTS / "template_ddp.py"
+START, END = (next(line for line in TEMPLATE.read_text().splitlines(keepends=True)
+                   if line.startswith("# ===") and line.rstrip().endswith(part))
+              for part in ("YOUR PROJECT", "DDP steps"))
+
+# Another project, as its author would write it into the YOUR PROJECT part: a classifier of 3
+# classes from 4 measurements, read from a CSV file of its own; Adam; loss and accuracy.
+PROJECT = START + '''def add_project_flags(parser):
+    parser.add_argument("--data", type=str, default="measurements.csv",
+                        help="CSV, one sample a row: 4 measurements, then the class (0, 1 or 2)")
+    parser.add_argument("--hidden", type=positive(int), default=32)
+
+
+prepare_data = None  # the data file is already there
+
+
+def load_datasets(args):
+    try:
+        with open(args.data) as f:
+            rows = [[float(v) for v in line.split(",")] for line in f if line.strip()]
+    except OSError as err:
+        raise UsageError(f"cannot read the data file {args.data}: {err.strerror}") from None
+    data = torch.tensor(rows)
+    x, y, split = data[:, :4], data[:, 4].long(), len(data) * 4 // 5
+    return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
+
+
+def build_model(args):
+    return nn.Sequential(nn.Linear(4, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 3))
+
+
+def make_optimizer(model, args):
+    return torch.optim.Adam(model.parameters(), lr=args.lr)
+
+
+def loss_on(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def eval_sums(model, batch):
+    x, y = batch
+    logits = model(x)
+    return {"loss": F.cross_entropy(logits, y, reduction="sum"),
+            "accuracy": (logits.argmax(1) == y).sum(), "count": torch.tensor(len(y))}
+
+
+def check_setup(args, rank):
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))
+    if rank == 0:
+        check_writable(args.save, args.metrics_json)
+
+
+'''
+
+
+def write_measurements(path, n=900, seed=0):
+    """Three clusters of 4 measurements each, with their class: a data file of the user's own."""
+    rng = random.Random(seed)
+    centres = [(0, 0, 0, 0), (2, 2, 0, 0), (0, 2, 2, 2)]
+    with open(path, "w") as f:
+        for i in range(n):
+            label = i % 3
+            values = [c + rng.gauss(0, 0.6) for c in centres[label]]
+            f.write(",".join(f"{v:.4f}" for v in values) + f",{label}\n")
+
+
+def port(folder):
+    """The template copied into `folder` as the user's script, its YOUR PROJECT part replaced by
+    PROJECT (with its data file beside it); returns the script's path."""
+    text = TEMPLATE.read_text()
+    start, end = text.index(START), text.index(END)
+    script = folder / "classify_ddp.py"
+    script.write_text(text[:start] + PROJECT + text[end:])
+    write_measurements(folder / "measurements.csv")
+    return script
+
+
+def launch(folder, script, *args, launcher=None, timeout=180):
+    return run_script(folder / script, *args, launcher=launcher, cwd=folder, timeout=timeout)
+
+
+def one_line_error(result):
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert ": error: " in line
+    return line
+
+
+@pytest.fixture(scope="module")
+def ported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("user-project")
+    return folder, port(folder)
+
+
+def test_the_template_alone_in_an_empty_folder_trains_with_both_launchers(tmp_path):
+    shutil.copy(TEMPLATE, tmp_path)
+    spawned = launch(tmp_path, "template_ddp.py", "--nprocs", 2, "--epochs", 2, "--metrics-json", "m.json")
+    assert spawned.returncode == 0, spawned.stderr
+    assert spawned.stdout.count("done:") == 1 and (tmp_path / "data" / "synthetic_regression.pt").exists()
+    losses = [e["train_loss"] for e in read_metrics(tmp_path / "m.json")["epochs"]]
+    assert losses[1] < losses[0]
+    started = launch(tmp_path, "template_ddp.py", "--epochs", 1, launcher=torchrun(2))
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.count("done:") == 1 and "2 processes" in started.stdout
+
+
+def test_porting_a_project_changes_only_its_part_and_few_lines(tmp_path):
+    """The port replaces the YOUR PROJECT functions and nothing else; for this project it adds at
+    most 40 lines (non-blank) to what it removes: the DDP steps and the hardening stay as they are."""
+    script = port(tmp_path)
+    template, copy = TEMPLATE.read_text().splitlines(), script.read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(template, copy, lineterm="", n=0)
+               if line[:1] in "+-" and line[:3] not in ("+++", "---") and line[1:].strip()]
+    added = [line for line in changed if line.startswith("+")]
+    assert 10 < len(added) <= 40, len(added)
+    project = copy[copy.index(START.strip()):copy.index(END.strip())]
+    assert all(line[1:] in project for line in added)  # every new line is in the project's part
+
+
+def test_a_ported_project_trains_and_its_checkpoint_loads_into_the_plain_model(ported):
+    folder, script = ported
+    r = launch(folder, script, "--nprocs", 2, "--epochs", 8, "--batch-size", 32, "--lr", 0.01,
+               "--save", "model.pt", "--metrics-json", "m.json")
+    assert r.returncode == 0, r.stderr
+    epochs = read_metrics(folder / "m.json")["epochs"]
+    assert epochs[-1]["test_accuracy"] > 0.8 and epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    spec = importlib.util.spec_from_file_location("classify_ddp", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build_model(module.parse_args([]))
+    model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))  # strict: every name
+    x, y = module.load_datasets(module.parse_args(["--data", str(folder / "measurements.csv")]))[1].tensors
+    assert (model(x).argmax(1) == y).float().mean() > 0.8
+
+
+def test_a_ported_project_trains_under_torchrun(ported):
+    folder, script = ported
+    r = launch(folder, script, "--epochs", 2, "--metrics-json", "t.json", launcher=torchrun(2))
+    assert r.returncode == 0, r.stderr
+    assert read_metrics(folder / "t.json")["world_size"] == 2 and r.stdout.count("done:") == 1
+
+
+def test_a_ported_project_refuses_a_bad_flag_and_a_missing_data_file_in_one_line(ported):
+    folder, script = ported
+    assert "unrecognized arguments: --epoch 2" in one_line_error(launch(folder, script, "--epoch", 2))
+    start = time.monotonic()
+    line = one_line_error(launch(folder, script, "--nprocs", 2, "--data", "gone.csv"))
+    assert "cannot read the data file gone.csv" in line and time.monotonic() - start < 30
+
+
+def test_a_killed_rank_of_a_ported_project_ends_the_job_with_nothing_left(ported):
+    folder, script = ported
+    with training_job(script, None, args=["--epochs", "100000"], cwd=folder) as (launcher, ranks, family):
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        stderr = ends_promptly_and_whole(launcher, family, since=time.monotonic())
+    assert launcher.returncode != 0
+    (line,) = stderr.strip().splitlines()
+    assert "worker 1 ended with signal SIGKILL" in line

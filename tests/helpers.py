@@ -1,0 +1,295 @@
+"""What the test modules share: paths, running a script as a user would (a subprocess with a time
+limit, or in-process), comparing weights, two torchrun agents standing for two machines, a job
+interrupted or killed. Fixtures live in conftest.py."""
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from launcher import Launcher
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "ddp_scripts"
+DATA_DIR = REPO / "data"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpu(test):
+    """A test that needs CUDA: marked `gpu` (pytest -m gpu runs them on a GPU machine), skipped with
+    the reason elsewhere."""
+    skip = pytest.mark.skipif(GPUS == 0, reason="no CUDA device on this machine: GPU runs skipped")
+    return pytest.mark.gpu(skip(test))
+
+
+# Offline for urllib (pass as script_env(**OFFLINE)): every download goes to a proxy on a port
+# where nothing listens.
+OFFLINE = {k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+LIMIT_S = 30  # "within seconds", for a refusal: generous for a loaded 2-core machine, far from a hang
+
+
+def load_script(name):
+    """Import a script from ddp_scripts/ as a module (they are files to copy, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_env(**extra):
+    env = dict(os.environ)
+    env.pop("MASTER_PORT", None)  # each run picks its own free port
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun(nprocs):
+    """run_script's `launcher` for torchrun with nprocs processes on this machine."""
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs)]
+
+
+def run_script(script, *args, timeout=240, env=None, launcher=None, cwd=REPO, fresh=False):
+    """Run ddp_scripts/<script> (or under `launcher`, e.g. torchrun) as `python ...` would, and return
+    the result (a CompletedProcess). The process is forked from a Python with torch already imported
+    (tests/launcher.py), which saves each launch 2-3 s; fresh=True (or COURSE_PRELOADED=0 for the
+    whole suite) starts a new interpreter instead."""
+    command = (launcher or []) + [str(SCRIPTS / script)] + [str(a) for a in args]
+    env = env or script_env()
+    if fresh or os.environ.get("COURSE_PRELOADED") == "0":
+        return subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=cwd)
+    with PRELOADED.popen(command, env, cwd) as child:
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()  # the child and every process it started
+            raise subprocess.TimeoutExpired([sys.executable, *command], timeout) from None
+        out, err = child.output()
+    return subprocess.CompletedProcess([sys.executable, *command], child.returncode, out, err)
+
+
+PRELOADED = Launcher()
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def max_abs_diff(a, b):
+    """The largest absolute difference between two state_dicts, over every weight."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def max_difference(path_a, path_b):
+    """max_abs_diff of two saved state_dicts."""
+    return max_abs_diff(torch.load(path_a), torch.load(path_b))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_idx(path, tensor):
+    """Write a uint8 tensor in the IDX format of the MNIST files (magic, sizes, bytes)."""
+    with open(path, "wb") as f:
+        f.write(struct.pack(">HBB", 0, 0x08, tensor.dim()))
+        f.write(struct.pack(f">{tensor.dim()}I", *tensor.shape))
+        f.write(tensor.numpy().tobytes())
+
+
+# --------------------------------------------------------------------------- refusals
+def refused(script, *args, env=None, launcher=None):
+    """Launch a script as a user would, in a new interpreter: it must refuse in one line on stderr
+    (no traceback), with a non-zero exit, within seconds. Returns the line."""
+    start = time.monotonic()
+    r = run_script(script, *args, env=env, timeout=LIMIT_S + 30, launcher=launcher, fresh=True)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "error" in lines[0]
+    return lines[0]
+
+
+def refused_in_process(module, argv, monkeypatch=None, gpus=None):
+    """A script's command line run in this process (run_main), with nothing spawned (and, with
+    `gpus`, that many GPUs faked): it must refuse in one line on stderr, within seconds, with a
+    non-zero exit. Returns the line."""
+    if monkeypatch is not None:
+        if gpus is not None:
+            monkeypatch.setattr(module.torch.cuda, "is_available", lambda: gpus > 0)
+            monkeypatch.setattr(module.torch.cuda, "device_count", lambda: gpus)
+        if hasattr(module, "mp"):  # a script that starts processes: none may start
+            monkeypatch.setattr(module.mp, "spawn",
+                                lambda *a, **k: pytest.fail("spawned despite the refusal"))
+            monkeypatch.setattr(module.mp, "start_processes",
+                                lambda *a, **k: pytest.fail("spawned despite the refusal"))
+        elif hasattr(module, "train"):  # a one-process script: no training
+            monkeypatch.setattr(module, "train", lambda *a, **k: pytest.fail("trained despite the refusal"))
+        monkeypatch.delenv("RANK", raising=False)
+    start = time.monotonic()
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(stderr):
+        if hasattr(module, "run_main"):
+            module.run_main([str(a) for a in argv])
+        else:  # a plain script: its __main__ block does this
+            try:
+                module.main(module.parse_args([str(a) for a in argv]))
+            except module.UsageError as err:
+                sys.exit(f"{module.__name__}.py: error: {err}")
+    assert time.monotonic() - start < 5
+    assert exit_info.value.code not in (0, None)
+    message = stderr.getvalue().strip() or str(exit_info.value.code)
+    assert "\n" not in message and "error" in message, message
+    return message
+
+
+# Kept for the GPU checks' tests: a name they know.
+def refused_before_spawn(module, monkeypatch, argv, gpus):
+    return refused_in_process(module, argv, monkeypatch, gpus=gpus)
+
+
+# --------------------------------------------------------------------------- two machines
+def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180, torchrun_args=(), c10d=False,
+                 envs=None):
+    """Start one torchrun agent per entry of node_args (its node rank is its index, under the static
+    rendezvous; with c10d=True, the c10d rendezvous hosted by the first, node ranks on arrival) and
+    wait for both. envs: extra environment per machine. Returns [(returncode, stdout + stderr),
+    ...] and the seconds until both had ended."""
+    port, agents = free_port(), []
+    for node, (args, nprocs) in enumerate(zip(node_args, procs)):
+        if c10d:
+            rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                          "--rdzv-id", "job"]
+        else:
+            rendezvous = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        launcher = ["-m", "torch.distributed.run", "--nnodes", "2", *rendezvous,
+                    "--nproc-per-node", str(nprocs), *torchrun_args]
+        script_args = [SCRIPTS / script, *args] if script else args  # None: args start with a path
+        command = [sys.executable, *launcher, *map(str, script_args)]
+        machine_env = {**(env or {}), **(envs[node] if envs else {})}
+        if os.environ.get("COURSE_PRELOADED") == "0":
+            agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, cwd=REPO, env=script_env(**machine_env)))
+        else:  # the agent forked from the preloaded Python (its ranks are new interpreters anyway)
+            agents.append(PRELOADED.popen(command[1:], script_env(**machine_env), REPO, merge=True))
+        if c10d and node == 0:
+            time.sleep(1)  # the first machine hosts the rendezvous: let it bind the port first
+    start, results = time.monotonic(), []
+    try:
+        for agent in agents:
+            output, _ = agent.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+            results.append((agent.returncode, output))
+    finally:
+        for agent in agents:
+            agent.kill()
+    return results, time.monotonic() - start
+
+
+def assert_one_line_error(results, script, message):
+    """Both agents failed; exactly one rank printed the error, with no Python traceback of a rank."""
+    assert all(code != 0 for code, _ in results), results
+    lines = [line for _, out in results for line in out.splitlines() if line.startswith(f"{script}: error:")]
+    assert len(lines) == 1, lines
+    assert message in lines[0], lines[0]
+    assert not any("]: Traceback" in out for _, out in results), results  # "[rank1]: Traceback"
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- jobs interrupted
+JOBS = {
+    "mnist_ddp_cpu.py": lambda data: ["--model", "convnet", "--epochs", "1000", *map(str, data)],
+    # two sampling workers per rank: forked by the ranks, they must not outlive them
+    "gcn_ddp.py": lambda data: ["--device", "cpu", "--dataset", "synthetic", "--num-nodes", "50000",
+                                "--epochs", "1000", "--num-workers", "2"],
+}
+
+
+def ranks_of(launcher):
+    """The launcher's worker processes (not multiprocessing's resource tracker)."""
+    return [p for p in psutil.Process(launcher.pid).children()
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@contextlib.contextmanager
+def training_job(script, data, under_torchrun=False, starting=False, start_method=None, args=None,
+                 cwd=None):
+    """Start a 2-rank job as a terminal would (own session, SIGINT not ignored) and yield
+    (launcher, its two ranks, all its processes) once both ranks train, or with starting=True as
+    soon as both exist (spawned ones still importing torch). Kills what is left after. The launcher
+    is the script itself (mp.spawn), or torchrun. start_method: DDP_START_METHOD (default: the
+    script's own choice, fork on a machine without GPUs). script: a name in ddp_scripts/ (its
+    flags from JOBS, with `data`, the data flags), or a path with its flags in `args`."""
+    if script == "gcn_ddp.py":
+        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    path = str(SCRIPTS / script)
+    start = [*torchrun(2), path] if under_torchrun else [path, "--nprocs", "2"]
+    launcher = subprocess.Popen(
+        [sys.executable, *start, "--timeout", "60", *(args if args is not None else JOBS[script](data))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+        env=script_env(**({"DDP_START_METHOD": start_method} if start_method else {})),
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    family = []
+    try:
+        if starting:
+            deadline = time.monotonic() + 60
+            while len(ranks_of(launcher)) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        else:  # rank 0 announces training once both workers are inside the process group
+            header = launcher.stdout.readline()
+            assert header.startswith("training"), header + launcher.stderr.read()
+            time.sleep(1.5)
+        ranks = ranks_of(launcher)
+        assert len(ranks) == 2 and launcher.poll() is None
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        if script == "gcn_ddp.py":
+            assert sum(len(rank.children()) for rank in ranks) >= 4, "the sampling workers did not start"
+        yield launcher, ranks, family
+    finally:  # a failed check leaves nothing running either
+        if launcher.poll() is None:
+            launcher.kill()
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
+def ends_promptly_and_whole(launcher, family, since, tracebacks_allowed=False):
+    """tracebacks_allowed: torchrun prints its own when interrupted."""
+    _, stderr = launcher.communicate(timeout=60)
+    assert time.monotonic() - since < 20
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, f"left behind: {[(p.pid, ' '.join(p.cmdline())[:80]) for p in alive]}"
+    if not tracebacks_allowed:
+        assert "Traceback" not in stderr, stderr
+    return stderr
+
+
+def write_tiny_mnist(data_dir, n_train=96, n_test=40):
+    """Learnable fake MNIST files: the label is which quarter of the image is bright."""
+    raw = data_dir / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
+        images = torch.randint(0, 60, (n, 28, 28), generator=g, dtype=torch.uint8)
+        for i, label in enumerate(labels.tolist()):
+            r, c = divmod(label, 2)
+            images[i, 14 * r:14 * r + 14, 14 * c:14 * c + 14] += 180
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)

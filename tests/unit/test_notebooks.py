@@ -1,0 +1,277 @@
+"""The notebooks: committed without outputs, parameterised for papermill, each run as a test by
+nbmake (smoke mode), with exercises and their solutions; and the tools that run them."""
+import re
+import sys
+
+import nbformat
+import pytest
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import study_time  # noqa: E402
+
+LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SOLUTIONS = sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
+NOTEBOOKS = LESSONS + SOLUTIONS
+IDS = [str(nb.relative_to(REPO / "notebooks")) for nb in NOTEBOOKS]
+LESSON_IDS = [nb.name for nb in LESSONS]
+
+
+def test_lessons_are_numbered_in_reading_order():
+    numbers = [int(nb.name[:2]) for nb in LESSONS]
+    assert len(numbers) >= 2 and numbers == list(range(1, len(numbers) + 1))
+
+
+def headings(path, level="## "):
+    nb = nbformat.read(path, as_version=4)
+    return [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()
+            if line.startswith(level)]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_every_lesson_ends_with_exercises_and_their_solutions(path):
+    """The last section of each lesson: 2 to 4 numbered exercises, and a link to the lesson's
+    solutions notebook in notebooks/solutions/ (which the suite runs, as it runs the lessons)."""
+    assert headings(path)[-1] == "## Exercises"
+    nb = nbformat.read(path, as_version=4)
+    start = max(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Exercises" in c.source)
+    text = "\n".join(c.source for c in nb.cells[start:] if c.cell_type == "markdown")
+    exercises = re.findall(r"^(\d+)\. ", text.split("## Exercises", 1)[1], re.M)
+    assert 2 <= len(exercises) <= 4 and exercises == [str(i + 1) for i in range(len(exercises))], exercises
+    solutions = REPO / "notebooks" / "solutions" / f"{path.stem}_solutions.ipynb"
+    assert solutions.exists() and f"solutions/{solutions.name}" in text
+    assert len([h for h in headings(solutions) if h.startswith("## Exercise ")]) == len(exercises)
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_first_cell_says_how_long_and_on_what(path):
+    """A reader knows before running: the time in smoke mode and in full (measured on a 2-core
+    CPU), and the hardware each part needs."""
+    first = nbformat.read(path, as_version=4).cells[0]
+    assert first.cell_type == "markdown"
+    assert re.search(r"\*\*Time:\*\*.*smoke.*full", first.source, re.S), first.source[-600:]
+    assert "**Hardware:**" in first.source
+
+
+def stated_times(path):
+    """(smoke, full) as the lesson's first cell states them, e.g. ("20 s", "2.5 min")."""
+    first = nbformat.read(path, as_version=4).cells[0].source
+    found = re.search(r"\*\*Time:\*\* about ([\d.]+ (?:s|minutes?)) in smoke mode \(`SMOKE = True`\) "
+                      r"and ([\d.]+ (?:s|minutes?)) in full", first)
+    assert found, first[-400:]
+    return tuple(re.sub(r" minutes?", " min", t) for t in found.groups())
+
+
+def test_readme_gives_each_lessons_times_as_its_notebook_does():
+    """The README's lesson table and the notebooks' first cells quote the same measurement."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) <= 12_000, "README.md is over 12 KB: move detail to docs/"
+    for path in LESSONS:
+        row = re.search(rf"^\| {int(path.name[:2])} \| \[.*\| ([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min)) \| "
+                        rf"(\d+) min \|$", readme, re.M)
+        assert row, f"README.md's lesson table has no time for {path.name}"
+        assert (row[1], row[2]) == stated_times(path), path.name
+        assert int(row[3]) == study_time.stated(path), f"{path.name}: run `make study-times`"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_the_study_time_follows_its_rule(path):
+    """Each lesson states its study time, estimated by one rule (tools/study_time.py: words at
+    150 a minute, 5 minutes an exercise), labelled as an estimate; it changes with the lesson."""
+    minutes, words, exercises = study_time.estimate(path)
+    assert words > 500 and exercises >= 2
+    assert study_time.stated(path) == minutes, f"{path.name}: run `make study-times`"
+    assert "an estimate" in nbformat.read(path, as_version=4).cells[0].source
+
+
+def test_every_solution_belongs_to_a_lesson():
+    assert {p.name for p in SOLUTIONS} == {f"{p.stem}_solutions.ipynb" for p in LESSONS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_committed_without_outputs(path):
+    # Numbers in a notebook come from the reader's own run, so none are committed.
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"{path.name}: clear outputs before committing "
+                f"(.venv/bin/jupyter nbconvert --clear-output --inplace {path.relative_to(REPO)})")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_first_code_cell_holds_the_parameters(path):
+    nb = nbformat.read(path, as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    assert "parameters" in first.metadata.get("tags", [])
+    assert re.search(r"^SMOKE = .*COURSE_SMOKE", first.source, re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_relative_links_point_to_files(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for target in re.findall(r"\]\(([^)#:]+)\)", cell.source):
+                assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
+
+
+def test_every_notebook_runs_as_a_test():
+    """make test runs each notebook once, through nbmake (pyproject.toml: testpaths, --nbmake), in
+    smoke mode (tests/conftest.py); the lessons' solutions too."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "notebooks"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    collected = {line.split("::")[0] for line in r.stdout.splitlines() if ".ipynb::" in line}
+    expected = {str(p.relative_to(REPO)) for p in (REPO / "notebooks").rglob("*.ipynb")
+                if "output" not in p.parts and ".ipynb_checkpoints" not in p.parts}
+    assert expected and collected == expected, r.stdout + r.stderr
+
+
+def test_papermill_runs_a_notebook_with_its_parameters(tmp_path):
+    """make notebooks (tools/run_notebooks.py): papermill overrides the first cell's parameters,
+    the executed copy is written, a failing cell fails the run."""
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    parameters = nbformat.v4.new_code_cell("SMOKE = False")
+    parameters.metadata["tags"] = ["parameters"]
+    nb.cells = [parameters, nbformat.v4.new_code_cell("print(f'smoke={SMOKE}')")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "01_tiny.ipynb"
+    nbformat.write(nb, path)
+    out = tmp_path / "out"
+    runner = [sys.executable, str(REPO / "tools" / "run_notebooks.py"), "--out", str(out)]
+    r = subprocess.run([*runner, "--smoke", str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    executed = nbformat.read(out / path.name, as_version=4)
+    assert "smoke=True" in "".join(o.get("text", "") for o in executed.cells[-1].outputs)
+
+    nb.cells.append(nbformat.v4.new_code_cell("assert SMOKE is False, 'a cell that fails'"))
+    nbformat.write(nb, path)
+    r = subprocess.run([*runner, "--smoke", str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "a cell that fails" in r.stdout + r.stderr
+
+
+def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
+    """tools/run_notebook_plain.py, for the GPU machine that has no Jupyter: cells share one
+    namespace, run in the notebook's folder, display() prints, magics are skipped, errors fail."""
+    import subprocess
+    import sys
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell
+    nb.cells = [nbformat.v4.new_markdown_cell("# title"),
+                cell("%matplotlib inline\nimport os\nSMOKE = os.environ.get('COURSE_SMOKE')"),
+                cell("from IPython.display import Markdown, display\n"
+                     "display(Markdown(f'smoke={SMOKE} here={os.path.basename(os.getcwd())}'))")]
+    path = tmp_path / "nb" / "x.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    runner = [sys.executable, str(REPO / "tools" / "run_notebook_plain.py"), str(path)]
+    r = subprocess.run([*runner, "--smoke"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "smoke=1 here=nb" in r.stdout and "every code cell ran" in r.stdout
+
+    nb.cells.append(nbformat.v4.new_code_cell("raise ValueError('cell failed')"))
+    nbformat.write(nb, path)
+    r = subprocess.run(runner, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "ValueError: cell failed" in r.stderr
+    assert "every code cell ran" not in r.stdout
+
+
+def test_interrupting_a_run_stops_every_process_it_started(monkeypatch):
+    """The notebook's stop button (KeyboardInterrupt in the kernel) stops the launched command and
+    what it started, instead of waiting for them to finish (a command run as a reader's is)."""
+    monkeypatch.setenv("COURSE_PRELOADED", "0")
+    import signal
+    import sys
+    import time
+
+    import psutil
+
+    sys.path.insert(0, str(REPO / "notebooks"))
+    from course_helpers import run
+
+    sleeper = "import time; time.sleep(60)"
+    child = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]); "
+             "print('started', flush=True); time.sleep(60)")
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. the suite's launcher
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run("-c", child)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - start < 20
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(started, timeout=5)
+    assert not alive
+
+
+def test_captured_output_is_shown_and_kept(capsys):
+    """The solutions' asserts read what a run printed: it is still shown under the cell, and kept."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "notebooks"))
+    from course_helpers import captured, run_captured
+
+    result, text = run_captured("-c", "print('first'); print('second')")
+    assert text.splitlines()[-2:] == ["first", "second"]
+    with captured() as out:
+        print("third")
+    assert out.text == "third\n"
+    shown = capsys.readouterr().out
+    assert "second" in shown and "third" in shown
+
+
+def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
+    """tools/render_html.py (make html): a page per executed notebook, its figures embedded (they
+    are found from notebooks/, where the notebook was written), links to other lessons turned
+    into links to their pages, and an index page listing every lesson by its title."""
+    import subprocess
+    import sys
+
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lesson 9: a title\n![flow](../figures/ddp_data_flow.png)\n"
+                                              "[the next lesson](10_next.ipynb)"),
+                nbformat.v4.new_code_cell("print('hi')", outputs=[
+                    nbformat.v4.new_output("stream", name="stdout", text="an output of the run\n")])]
+    nbformat.write(nb, executed / "09_a_title.ipynb")
+    out = tmp_path / "html"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(executed),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    page = (out / "09_a_title.html").read_text()
+    assert "an output of the run" in page and "data:image/png;base64," in page
+    assert 'href="10_next.html"' in page
+    index = (out / "index.html").read_text()
+    assert '<a href="09_a_title.html">Lesson 9: a title</a>' in index
+
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(empty),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "run `make notebooks`" in r.stderr
+
+
+def test_the_notebooks_need_nothing_from_the_maintainers_tools():
+    """What a lesson imports lives with the lessons (course_helpers.py, course_demos.py); tools/ holds
+    the maintainers' generators and benchmarks, which may import from notebooks/, not the reverse."""
+    sources = [c.source for path in NOTEBOOKS for c in nbformat.read(path, as_version=4).cells
+               if c.cell_type == "code"]
+    sources += [p.read_text() for p in (REPO / "notebooks").glob("*.py")]
+    assert not [s for s in sources if re.search(r"""/\s*["']tools["']|["'](\.\./)?tools/""", s)]

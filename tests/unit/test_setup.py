@@ -1,0 +1,84 @@
+"""The set-up in layers: where lesson 4's neighbour sampler comes from (prebuilt wheels, PyG's
+index, or the sources), decided offline against local folders standing in for each."""
+import shutil
+import sys
+import time
+
+import pytest
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import install_graph  # noqa: E402
+
+TAG = install_graph.PYTHON_TAG
+FITTING = [f"torch_scatter-2.1.2-{TAG}-{TAG}-linux_x86_64.whl",
+           f"torch_sparse-0.6.18-{TAG}-{TAG}-linux_x86_64.whl"]
+
+
+def index_page(folder, names):
+    """A folder with an index page listing `names`, as PyG's wheel index lists its wheels."""
+    folder.mkdir(exist_ok=True)
+    links = "".join(f'<a href="{name.replace("+", "%2B")}">{name}</a><br>' for name in names)
+    (folder / "index.html").write_text(f"<html><body>{links}</body></html>")
+    return (folder / "index.html").as_uri()
+
+
+def test_prebuilt_wheels_come_first(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in FITTING:
+        (wheels / name).write_bytes(b"")
+    assert install_graph.choose(wheels, index_page(tmp_path / "index", FITTING)) == ("wheels", str(wheels))
+
+
+def test_then_pyg_index_when_it_lists_wheels_for_this_python(tmp_path):
+    names = [n.replace("-2.1.2-", "-2.1.2+pt214cpu-").replace("-0.6.18-", "-0.6.18+pt214cpu-")
+             for n in FITTING]
+    url = index_page(tmp_path / "index", names)
+    assert install_graph.choose(tmp_path / "no-wheels", url) == ("index", url)
+
+
+def test_wheels_for_another_python_do_not_count(tmp_path):
+    other = [n.replace(TAG, "cp38") for n in FITTING]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in other:
+        (wheels / name).write_bytes(b"")
+    assert install_graph.choose(wheels, index_page(tmp_path / "index", other)) == ("source", None)
+    # half the sampler is not enough either
+    chosen = install_graph.choose(tmp_path / "none", index_page(tmp_path / "half", FITTING[:1]))
+    assert chosen == ("source", None)
+
+
+def test_offline_the_sources_are_chosen_in_seconds():
+    start = time.monotonic()
+    chosen = install_graph.choose("/nonexistent", "http://127.0.0.1:9/whl/torch.html", timeout=5)
+    assert chosen == ("source", None)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("version, cuda, tag", [("2.14.1+cu130", "13.0", "torch-2.14.0+cu130"),
+                                                ("2.8.0", None, "torch-2.8.0+cpu")])
+def test_pyg_index_names_the_torch_and_cuda(monkeypatch, version, cuda, tag):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert install_graph.torch_tag() == tag
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_help_lists_every_target_in_its_group():
+    """`make` alone, or `make help`: every target the README or a maintainer uses, with its line."""
+    import re
+    import subprocess
+
+    r = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    listed = set(re.findall(r"^  make (\S+) ", r.stdout, re.M))
+    makefile = (REPO / "Makefile").read_text()
+    documented = set(re.findall(r"^([a-z][a-z-]*):.*## ", makefile, re.M))
+    assert listed == documented and {"demo", "test", "lab", "test-quick", "minimal", "help"} <= listed
+    assert "\nThe course\n" in r.stdout and "\nMaintainers" in r.stdout
+    r = subprocess.run(["make", "-s"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip().startswith("The course"), "make alone should show the help"

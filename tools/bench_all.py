@@ -1,0 +1,39 @@
+"""make bench: every benchmark of the course in turn, each saying where it stands ("[2/4] ..."), on
+THIS machine. Each writes its numbers under build/bench/ and redraws its figure; copy what you keep
+into docs/MEASURED.md with the machine and the date.
+
+    python tools/bench_all.py [NAME ...]     # all, or only those named (e.g. startup gcn)
+"""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+BENCHMARKS = [  # (name, script, what it measures)
+    ("startup", "bench_startup.py", "what a short job pays before its first step"),
+    ("cpu", "bench.py", "lesson 2: 1 process against N on the CPU"),
+    ("comm", "bench_comm.py", "lesson 6: communicating less"),
+    ("gcn", "bench_gcn.py", "lesson 4: the GCN, 1 rank against 2"),
+]
+
+
+def main():
+    chosen = [b for b in BENCHMARKS if not sys.argv[1:] or b[0] in sys.argv[1:]]
+    if not chosen:
+        sys.exit(f"bench_all: no benchmark named {' '.join(sys.argv[1:])}; "
+                 f"choose from {', '.join(b[0] for b in BENCHMARKS)}")
+    failed, start = [], time.monotonic()
+    for number, (name, script, what) in enumerate(chosen, 1):
+        print(f"\n[{number}/{len(chosen)}] {name}: {what} (tools/{script}; {len(chosen) - number} after it)",
+              flush=True)
+        if subprocess.run([sys.executable, str(TOOLS / script)]).returncode != 0:
+            failed.append(name)
+    print(f"\nmake bench: {len(chosen) - len(failed)} of {len(chosen)} benchmarks done in "
+          f"{(time.monotonic() - start) / 60:.0f} minutes")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
