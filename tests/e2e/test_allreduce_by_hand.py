@@ -20,7 +20,8 @@ by_hand = load_script("allreduce_by_hand")
 CHECK_LINE = re.compile(r"^(ok|MISMATCH)\s+(\w+)\s+(\([\d, ]*\)).*rank 0 sent\s+(\d+) bytes of\s+(\d+)")
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["2 ranks", "3 ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
+                ids=["2 ranks", "3 ranks"])
 def checked(request):
     """The check mode with N ranks, run once for the tests below: (N, its result)."""
     return request.param, run_script(SCRIPT, "--nprocs", request.param, timeout=120)
