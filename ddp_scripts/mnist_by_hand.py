@@ -289,6 +289,7 @@ def worker(rank, world_size, args):
                 json.dump({"sync": args.sync, "bucket_mb": args.bucket_mb, "model": args.model,
                            "world_size": world_size, "steps": steps, "test_accuracy": accuracy,
                            "ms_per_step": per_step * 1e3, "seconds": seconds}, f, indent=2)
+    dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
 
