@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers.py, from every tier's folder
-from helpers import DATA_DIR, REPO, load_script  # noqa: E402
+from helpers import DATA_DIR, REPO, RESUME_LINEAR, load_script  # noqa: E402
 
 sys.path.insert(0, str(REPO / "notebooks"))
 import course_helpers  # noqa: E402
@@ -128,9 +128,6 @@ def trained(tmp_path_factory, data_args):
         return cache[key]
 
     return train
-
-
-RESUME_LINEAR = ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--epochs", 3]
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,9 @@ def run_script(script, *args, timeout=240, env=None, launcher=None, cwd=REPO, fr
 
 PRELOADED = Launcher()
 
+# Lesson 5's reference run (the `uninterrupted` fixture) and the runs compared with it.
+RESUME_LINEAR = ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--epochs", 3]
+
 
 def read_metrics(path):
     with open(path) as f:

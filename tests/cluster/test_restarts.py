@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import RESUME_LINEAR as LINEAR
+from helpers import RESUME_LINEAR as LINEAR
 from helpers import SCRIPTS, max_difference, read_metrics, run_script, script_env, torchrun, two_machines
 
 SCRIPT = "mnist_ddp_resume.py"

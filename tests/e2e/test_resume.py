@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import RESUME_LINEAR as LINEAR
+from helpers import RESUME_LINEAR as LINEAR
 from helpers import GPUS, max_difference, needs_gpu, read_metrics, run_script, torchrun
 
 SCRIPT = "mnist_ddp_resume.py"

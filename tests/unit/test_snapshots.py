@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import RESUME_LINEAR as LINEAR
+from helpers import RESUME_LINEAR as LINEAR
 from helpers import load_script, refused_in_process
 
 
