@@ -2,6 +2,7 @@
 (task/affinity), runs a job across both nodes and is stopped and removed afterwards (root only:
 skipped otherwise; slurm-wlm is installed with apt-get when absent)."""
 import gzip
+import json
 import os
 import re
 import sys
@@ -105,6 +106,25 @@ def test_slurm_job_exit_code_and_environment_come_back(cluster):
     assert (job.state, job.exit_code) == ("FAILED", 3)
     assert job.output.split() == [str(cluster.conf), str(netlab.venv_bin() / "python")]
     assert Path(job.stdout_path).parent == cluster.workdir  # not in the caller's folder
+
+
+@pytest.mark.timeout(TIMEOUT + 240)
+@pytest.mark.parametrize("sbatch, cpus", [("slurm_ddp.sbatch", 2), ("slurm_tasks.sbatch", 1)],
+                         ids=["one-torchrun-per-node", "one-task-per-rank"])
+def test_slurm_runs_the_course_batch_files_unchanged(cluster, data_args, sbatch, cpus):
+    """launch/'s two batch files, submitted as they are with sbatch (only command-line overrides:
+    CPUs that two 2-CPU nodes have, the output file, a short run): four ranks on two nodes train,
+    the rendezvous at the allocation's first node, and the job ends COMPLETED with exit code 0."""
+    out = cluster.workdir / sbatch
+    out.mkdir()
+    flags = ["--model", "linear", "--epochs", "1", "--max-steps", "20", "--timeout", "90",
+             "--snapshot", str(out / "s.pt"), "--metrics-json", str(out / "m.json"), *data_args]
+    options = [f"--cpus-per-task={cpus}", f"--output={out}/job-%j.out"]
+    job = cluster.sbatch(REPO / "launch" / sbatch, *flags, options=options, cwd=REPO, timeout=240)
+    assert (job.state, job.exit_code) == ("COMPLETED", 0), job.output
+    metrics = json.loads((out / "m.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["epochs"][-1]["steps"] == 20, metrics
+    assert re.search(r"^done: linear on \S+, 4 processes", job.output, re.M), job.output
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -111,3 +111,41 @@ def test_licence_and_citation():
     assert (REPO / "LICENSE").read_text().startswith("MIT License")
     citation = yaml.safe_load((REPO / "CITATION.cff").read_text())
     assert citation["cff-version"] and citation["license"] == "MIT" and citation["authors"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_the_slurm_tasks_script_gives_each_task_its_rank_from_slurm(tmp_path):
+    """launch/slurm_tasks.sbatch, one task per rank: srun (a stand-in here, starting the step's two
+    tasks as Slurm would, with their SLURM_ variables) runs python once per task, each with its
+    RANK, LOCAL_RANK, WORLD_SIZE and the master taken from the allocation."""
+    path = LAUNCH / "slurm_tasks.sbatch"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    assert "lesson 5's script" in path.read_text().splitlines()[1]
+    stubs, seen = tmp_path / "bin", tmp_path / "seen"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text('#!/bin/sh\nprintf "node-a\\nnode-b\\n"\n')
+    (stubs / "srun").write_text(f"""#!/bin/bash
+printf "%s\\n" "$@" > {tmp_path}/srun-args
+while [ "$1" != bash ]; do shift; done
+for task in 0 1 2 3; do
+    SLURM_PROCID=$task SLURM_LOCALID=$((task % 2)) SLURM_NTASKS=4 SLURM_NTASKS_PER_NODE=2 "$@"
+done
+""")
+    (stubs / "python").write_text(f'#!/bin/sh\necho "$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE '
+                                  f'$MASTER_ADDR $MASTER_PORT $*" >> {seen}\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "123456",
+           "SLURM_CPUS_PER_TASK": "4"}
+    r = subprocess.run(["bash", str(path), "--epochs", "1"], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    srun = (tmp_path / "srun-args").read_text().splitlines()
+    assert option(srun, "--cpus-per-task") == "4" and "--kill-on-bad-exit=1" in srun
+    port = str(20000 + 123456 % 20000)
+    tasks = [line.split() for line in seen.read_text().splitlines()]
+    assert [t[:6] for t in tasks] == [[str(r), str(r % 2), "4", "2", "node-a", port] for r in range(4)]
+    words = tasks[0][6:]
+    args = check_flags(words[0], words[1:])
+    assert words[0].endswith("mnist_ddp_resume.py")
+    assert (args.device, args.backend, args.epochs) == ("cpu", "gloo", 1)
