@@ -16,6 +16,7 @@ RUNS = {
     "mnist_ddp_comm.py": ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--accum-steps", 2,
                           "--max-steps", 4],
     "mnist_ddp_debug.py": ["--model", "linear", "--check-sync-every", 2, "--max-steps", 4],
+    "mnist_fsdp.py": ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--max-steps", 4],
     "gcn_ddp.py": ["--device", "cpu", "--num-nodes", 2000, "--eval-nodes", 200, "--max-steps", 3],
     "template_ddp.py": ["--max-steps", 6],
 }

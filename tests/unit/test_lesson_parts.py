@@ -24,12 +24,14 @@ NEIGHBOUR_ADDS_AT_MOST = 180
 # Each lesson and the one a learner diffs it against (its docstring says which).
 NEIGHBOURS = [("mnist_ddp_cpu.py", "mnist_ddp_gpu.py"), ("gcn_single.py", "gcn_ddp.py"),
               ("mnist_ddp_gpu.py", "mnist_ddp_resume.py"), ("mnist_ddp_gpu.py", "mnist_ddp_comm.py"),
-              ("mnist_ddp_cpu.py", "mnist_ddp_debug.py")]
+              ("mnist_ddp_cpu.py", "mnist_ddp_debug.py"), ("mnist_ddp_gpu.py", "mnist_fsdp.py")]
 # What a lesson teaches stays above the fence, where the learner reads it.
 TAUGHT = {"mnist_ddp_gpu.py": {"check_device"},
           "mnist_ddp_resume.py": {"read_snapshot", "load_snapshot", "save_snapshot", "crash"},
           "mnist_ddp_comm.py": {"time_allreduce"},
           "mnist_ddp_debug.py": {"Watchdog", "check_replicas", "inject_bug"},
+          "mnist_fsdp.py": {"check_sharding", "state_bytes", "peak_mib", "save_checkpoint",
+                            "load_checkpoint"},
           "gcn_ddp.py": {"check_device", "rank_chunk", "mapped_copy", "prepare_graph"}}
 
 

@@ -27,6 +27,11 @@ PAIRS = [
      MNIST_SHARED | {"evaluate", "worker", "main", "check_device", "free_port"}),
     ("mnist_ddp_gpu.py", "mnist_ddp_comm.py", {"train", "build_model", "parse_args"},
      (MNIST_SHARED - {"build_model"}) | {"evaluate", "worker", "main", "check_device", "check_setup"}),
+    # Sharding: lesson 3 with --shard ddp|zero|fsdp and AdamW; lesson 6's MLP, the same definition.
+    ("mnist_ddp_gpu.py", "mnist_fsdp.py", {"evaluate", "train", "build_model", "check_setup", "parse_args"},
+     (MNIST_SHARED - {"build_model"}) | {"worker", "main", "check_device", "free_port", "write_metrics"}),
+    ("mnist_ddp_comm.py", "mnist_fsdp.py", {"evaluate", "train", "check_setup", "parse_args"},
+     {"build_model"}),
     ("gcn_single.py", "gcn_ddp.py",
      {"evaluate", "train", "main", "check_device", "parse_args", "load_dataset", "neighbor_loader"},
      {"synthetic_graph", "amazon_products", "have_amazon_products", "ogbn_products", "have_ogbn_products",
@@ -76,7 +81,8 @@ def test_scripts_import_only_what_a_copy_can_rely_on(script):
     allowed = {"torch", "torchvision", "tqdm", "torch_geometric"}
     stdlib = {"argparse", "gzip", "json", "os", "shutil", "socket", "sys", "time", "datetime",
               "urllib", "math", "random", "contextlib", "functools", "pathlib", "signal", "warnings",
-              "ctypes", "threading", "struct", "traceback", "logging", "re", "uuid", "gc", "statistics"}
+              "ctypes", "threading", "struct", "traceback", "logging", "re", "uuid", "gc", "statistics",
+              "resource"}
     allowed |= {"ogb"} if script.startswith("gcn_") else set()
     tree = ast.parse((SCRIPTS / script).read_text())
     roots = set()

@@ -1,0 +1,601 @@
+# The minimal form of ../mnist_fsdp.py, written by tools/make_minimal.py (make minimal):
+# its lesson part, each call into the hardening replaced by the plain code it stands
+# for. What that leaves out: ../README.md. Edit ../mnist_fsdp.py, not this file.
+"""Sharding (torch >= 2.6): lesson 3's training, its state split across the ranks by ZeRO or FSDP.
+
+    python mnist_fsdp.py --shard fsdp --metrics-json m.json   # state_mib_per_rank: what each rank holds
+    python mnist_fsdp.py --backend gloo --device cpu --nprocs 2 --shard zero   # no GPU: the same on CPU
+    torchrun --nproc-per-node 2 mnist_fsdp.py --global-batch-size 240 --checkpoint-dir ckpt --max-steps 99
+    torchrun --nproc-per-node 3 mnist_fsdp.py --global-batch-size 240 --resume-from ckpt   # 2 -> 3 ranks
+
+Under DDP every rank holds all the parameters, their gradients and AdamW's state (twice the model):
+--shard zero splits AdamW's state across the ranks, --shard fsdp (FSDP2's fully_shard, public in
+torch.distributed.fsdp since torch 2.6) every one of those tensors.
+Self-contained: copy it anywhere, it needs only torch (tqdm optional).
+Compare it with mnist_ddp_gpu.py: the diff is what sharding adds (above the "hardening" fence).
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import resource
+import shutil
+import socket
+import struct
+import sys
+import threading
+import time
+from datetime import timedelta
+from urllib.error import URLError
+from urllib.request import getproxies
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.fsdp as fsdp
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+try:
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
+except ImportError:  # the progress bar is optional
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+# --------------------------------------------------------------------------- data
+# torchvision's folder names. The script reads the files itself: importing torchvision takes ~1.5 s.
+FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
+MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
+RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+FASHION_MNIST_PACKAGE_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+
+
+class UsageError(Exception):
+    """Something the user can fix: reported in one line, without a traceback."""
+
+
+def raw_dir(name, data_dir):
+    return os.path.join(data_dir, FOLDERS[name], "raw")  # torchvision's layout
+
+
+def have_files(name, data_dir):
+    return all(os.path.exists(os.path.join(raw_dir(name, data_dir), f)) for f in RAW_FILES)
+
+
+def try_download(name, data_dir):
+    """torchvision's own download; False (within seconds, not minutes) when offline."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(10)
+    try:
+        if not getproxies():  # offline, this fails at once, before the import (a proxy looks it up)
+            socket.getaddrinfo("ossci-datasets.s3.amazonaws.com", 443)  # torchvision's MNIST mirror
+        from torchvision import datasets
+        getattr(datasets, FOLDERS[name])(data_dir, train=True, download=True)  # train and test files
+        return True
+    except (RuntimeError, URLError, OSError):
+        return False
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def copy_from_package(data_dir):
+    os.makedirs(raw_dir("fashion-mnist", data_dir), exist_ok=True)
+    for f in RAW_FILES:
+        target = os.path.join(raw_dir("fashion-mnist", data_dir), f)
+        with gzip.open(os.path.join(FASHION_MNIST_PACKAGE_DIR, f + ".gz")) as src, \
+                open(target + ".part", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(target + ".part", target)  # atomic: a reader never sees half a file
+
+
+def prepare_data(dataset, data_dir, verbose=True):
+    """Put the files on disk (download at most once) and return the dataset actually used.
+
+    Call it in ONE process: N processes downloading into the same folder corrupt each other.
+    """
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot use --data-dir {data_dir}: {err.strerror}") from None
+    if dataset in ("auto", "mnist"):
+        if have_files("mnist", data_dir) or try_download("mnist", data_dir):
+            return "mnist"
+        if dataset == "mnist":
+            raise UsageError(
+                f"MNIST is not in {raw_dir('mnist', data_dir)} and could not be downloaded (offline?): "
+                f"run once online, copy the four *-ubyte files there, or use --dataset fashion-mnist")
+    if not have_files("fashion-mnist", data_dir):
+        if os.path.isdir(FASHION_MNIST_PACKAGE_DIR):
+            copy_from_package(data_dir)
+        elif not try_download("fashion-mnist", data_dir):
+            raise UsageError(
+                f"Fashion-MNIST is not in {raw_dir('fashion-mnist', data_dir)} and could not be "
+                f"downloaded (offline?): install Debian's dataset-fashion-mnist or copy the files there")
+    if dataset == "auto" and verbose:
+        print("MNIST is not available (no files, no download): using Fashion-MNIST instead "
+              "(same shapes, 10 classes of clothing).", flush=True)
+    return "fashion-mnist"
+
+
+def read_idx(path):
+    """One file in MNIST's IDX format: 0, 0, 8 (unsigned bytes), the number of dimensions, each
+    size as a big-endian 32-bit integer, then the values."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())  # writable, as torch.frombuffer wants
+    try:
+        shape = struct.unpack_from(f">{data[3]}I", data, 4)
+    except (IndexError, struct.error):  # not even a whole header
+        shape = ()
+    offset = 4 + 4 * len(shape)
+    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != offset + math.prod(shape):
+        raise UsageError(f"{path} is not a whole MNIST-format file (cut short by an interrupted "
+                         f"download or copy?): delete it and run again to fetch it anew")
+    return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
+
+
+def load_split(name, data_dir, train):
+    """Decode the whole split into tensors once: no per-sample PIL work while training."""
+    prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
+    images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
+    mean, std = MEAN_STD[name]
+    images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
+    return images, labels.long()
+
+
+# --------------------------------------------------------------------------- models
+class ConvNet(nn.Module):
+    """Two conv and two linear layers with dropout (Mastering PyTorch, chapter 11)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(32 * 12 * 12, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)  # logits
+
+
+def build_model(name):
+    if name == "mlp":  # 5.8M parameters: 23 MB of gradients to all-reduce per step, 20x the ConvNet's
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 2048), nn.ReLU(),
+                             nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    if name == "linear":  # Flatten + Linear (Graph Neural Networks in Action, 7.8)
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    return ConvNet()
+
+
+# --------------------------------------------------------------------------- training
+@torch.no_grad()
+def evaluate(model, images, labels, rank, world_size):
+    """Loss and accuracy over the whole test set: each rank scores every world_size-th image."""
+    model.eval()
+    # FSDP: every forward all-gathers each layer's shards, a collective, so every rank must run as
+    # many forwards: the same number of batches for all (up to 128 images; fewer, or none, at times).
+    batches = math.ceil(len(labels) / world_size / 128)
+    images, labels = images[rank::world_size], labels[rank::world_size]  # disjoint shards
+    # On the GPU, and no .item() per batch: each would wait for the GPU. NCCL reduces GPU tensors.
+    totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, count
+    for x, y in zip(images.tensor_split(batches), labels.tensor_split(batches)):
+        logits = model(x).float()
+        totals[0] += F.cross_entropy(logits, y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)
+    # SUM over ranks, then divide once: shards may differ in size (an average of averages would not)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    model.train()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def write_metrics(path, metrics):
+    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(f"{path}.part", path)
+
+
+def train(rank, local_rank, world_size, args):
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
+    # MNIST (200 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
+    # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
+    # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
+    # x.to(device, non_blocking=True), so that the copy overlaps with the GPU's work.
+    train_images, train_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, True))
+    test_images, test_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, False))
+
+    # 2. Instantiate the model on this rank's GPU, then wrap it, or shard it. The same seed gives
+    #    every rank the same start; a per-rank seed afterwards decorrelates dropout.
+    torch.manual_seed(args.seed)
+    model = build_model(args.model).to(device)
+    if args.shard == "fsdp":
+        # FSDP2: fully_shard makes each parameter of a layer a DTensor split along dim 0 across
+        # the mesh (all ranks): rank r keeps block r of N blocks of rows. Forward, and backward,
+        # all-gather the layer whole and free it after; backward reduce-scatters the gradients, so
+        # each rank gets the average of its own rows. A unit per layer, then the root for the rest.
+        mesh = init_device_mesh(device.type, (world_size,))
+        for layer in model.modules():
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                fsdp.fully_shard(layer, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+    else:  # DDP as in lesson 3; device_ids names this rank's GPU
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    torch.manual_seed(args.seed + rank)
+    # AdamW keeps two running averages per parameter: its state is twice the model's size.
+    if args.shard == "zero":
+        # ZeRO stage 1: the parameters are dealt out whole into N shares; each rank keeps AdamW's
+        # state for its share only, updates it after the all-reduce, and broadcasts it to the others.
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
+    else:  # under FSDP, an AdamW of the shards: its state is sharded as they are
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
+    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
+    # which reads back from the GPU whether a gradient overflowed: one synchronisation per step.
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
+    #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
+    #    So step k trains on samples kG to kG + G - 1 of it (G: the global batch) for any N: with
+    #    --global-batch-size G, a run resumed on other ranks takes the same steps (if G divides the data).
+    train_set = TensorDataset(train_images, train_labels)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=not args.no_shuffle, seed=args.seed)
+    batch = args.global_batch_size // world_size if args.global_batch_size else args.batch_size
+
+    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
+    log(f"training {args.model} on {args.dataset}, --shard {args.shard}: {world_size} processes on "
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
+        f"({args.backend}, amp {args.amp}), batch {batch} per process ({batch * world_size} in all)",
+        flush=True)
+    history, steps, start = [], 0, time.perf_counter()
+    if args.resume_from:  # the steps taken, the weights and AdamW's state, on any number of ranks
+        steps = load_checkpoint(args, model, optimizer)
+        log(f"resumed from {args.resume_from} after {steps} steps", flush=True)
+    steps_per_epoch = math.ceil(len(sampler) / batch)
+    first_epoch, skip = steps // steps_per_epoch + 1, steps % steps_per_epoch
+    for epoch in range(first_epoch, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
+        batches = torch.tensor(list(sampler), device=device).split(batch)
+        batches = batches[skip:] if epoch == first_epoch else batches  # resumed: the steps left
+        epoch_start = time.perf_counter()
+        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
+        bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
+        for index in bar:
+            x, y = train_images[index], train_labels[index]
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(x), y)
+            # 4. DDP (and ZeRO) all-reduce the gradients here, FSDP reduce-scatters them.
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # DDP: all of it on every rank; ZeRO: a share each, then sent; FSDP: rows
+            scaler.update()
+            loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
+            seen += len(y)
+            steps += 1
+            if steps == args.max_steps:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
+        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+
+        # What this rank holds now, after a step: measured, not computed from the sizes.
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, (state_bytes(model, optimizer) / 2**20, peak_mib(device)))
+        # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. DDP's plain
+        #    model.module needs no gradient synchronisation; FSDP's model gathers its layers.
+        plain = model.module if isinstance(model, DDP) else model
+        test_loss, test_accuracy = evaluate(plain, test_images, test_labels, rank, world_size)
+        train_totals = torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=device)])
+        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
+        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
+        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
+                        "test_accuracy": test_accuracy, "seconds": seconds,
+                        "images_per_second": seen_all / seconds, "steps": steps})
+        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
+            flush=True)
+        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": world_size,
+                "model": args.model, "dataset": args.dataset, "batch_size": batch,
+                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
+                "backend": args.backend, "shard": args.shard, "global_batch_size": batch * world_size,
+                "state_mib_per_rank": [s for s, _ in per_rank], "peak_mib_per_rank": [p for _, p in per_rank],
+                "epochs": history})
+        if args.checkpoint_dir:  # after every epoch, and the last one cut short by --max-steps
+            save_checkpoint(args, model, optimizer, steps, steps // steps_per_epoch, batch * world_size)
+        # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
+        #    backward and the all_reduce above already wait for all ranks. NCCL's barrier is a
+        #    tiny all-reduce on a GPU: name this rank's, or torch guesses the device.
+        dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
+        if steps == args.max_steps:
+            break
+
+    # 7. Print and save on rank 0 only; but every rank gathers: FSDP all-gathers each tensor from its
+    #    shards (full_state_dict) onto rank 0's CPU (cpu_offload). Plain names in every mode.
+    if args.save:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)  # empty on the other ranks
+    if rank == 0:
+        last = history[-1]
+        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
+              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
+              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
+        if args.save:
+            torch.save(weights, args.save)
+
+
+def state_bytes(model, optimizer):
+    """Bytes of the parameters, gradients and optimizer state that this rank holds: of a DTensor
+    (FSDP) its local shard only; of ZeRO's optimizer, the AdamW inside it (this rank's share)."""
+    from torch.distributed.tensor import DTensor  # public from torch 2.5 on
+
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(t for state in local.state.values() for t in state.values() if torch.is_tensor(t))]
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def peak_mib(device):
+    """Peak memory: on a GPU what torch allocated; on a CPU the whole process's (libraries, data)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def save_checkpoint(args, model, optimizer, steps, epochs_done, global_batch):
+    """With torch.distributed.checkpoint (DCP) every rank writes the shards it holds into
+    DIR/step-<steps>/, with a map of what part of which tensor each is. Then rank 0 points
+    DIR/latest.json at it and removes the one before: a crash while writing leaves the previous
+    one in use. DIR: a folder every rank can reach (on several machines, a shared filesystem)."""
+    model_state, optim_state = get_state_dict(model, optimizer)  # DTensors under FSDP: no gathering
+    folder = f"step-{steps}"
+    dcp.save({"model": model_state, "optim": optim_state},
+             checkpoint_id=os.path.join(args.checkpoint_dir, folder))  # a collective: every rank
+    if dist.get_rank() == 0:
+        latest = os.path.join(args.checkpoint_dir, "latest.json")
+        before = read_checkpoint(args.checkpoint_dir)["folder"] if os.path.exists(latest) else None
+        write_metrics(latest, {"folder": folder, "steps": steps, "epochs_done": epochs_done,
+                               "model": args.model, "shard": args.shard, "global_batch_size": global_batch,
+                               "world_size": dist.get_world_size()})
+        if before not in (None, folder):
+            shutil.rmtree(os.path.join(args.checkpoint_dir, before), ignore_errors=True)
+
+
+def read_checkpoint(folder):
+    """DIR/latest.json of a checkpoint folder (what save_checkpoint wrote), or a one-line refusal."""
+    try:
+        with open(os.path.join(folder, "latest.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{folder} holds no checkpoint of this script ({type(err).__name__}: no "
+                         f"readable latest.json); --checkpoint-dir writes one") from None
+
+
+def load_checkpoint(args, model, optimizer):
+    """Resume: each rank asks DCP for the parts of each tensor that it holds now, whatever the
+    number of ranks that wrote them (DCP's map gives each tensor's whole shape, each shard's place
+    in it): 2 ranks' shards load into 1 or 3. Returns the number of steps taken."""
+    meta = read_checkpoint(args.resume_from)
+    model_state, optim_state = get_state_dict(model, optimizer)  # this run's tensors, to fill in
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(args.resume_from, meta["folder"]))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group in optimizer.param_groups:  # this run's --lr, not the checkpoint's
+        group["lr"] = args.lr
+    return meta["steps"]
+
+
+def worker(rank, world_size, args):
+    """What each process runs, whether spawned by main() or started by torchrun."""
+    # One GPU per process: local_rank numbers the processes on this machine (rank counts all
+    # machines). Select the GPU before anything touches CUDA, or every rank piles onto GPU 0.
+    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
+    #    or by torchrun); NCCL is the backend for GPUs (Gloo for CPUs). The timeout bounds every
+    #    collective, so a rank that dies or stalls turns into an error instead of a hang.
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
+            args.dataset = prepare_data(args.dataset, args.data_dir)
+        train(rank, local_rank, world_size, args)
+    finally:
+        dist.destroy_process_group()  # 8. tear down, even after an error
+
+
+# --------------------------------------------------------------------------- launching
+def free_port():
+    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def check_device(args, gpu=0):
+    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
+    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
+    if args.device == "cpu":
+        if args.backend == "nccl":
+            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
+        if args.amp == "fp16":
+            raise UsageError("--amp fp16 needs a GPU: use --amp bf16 (or off) with --device cpu")
+        return
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
+                         "to run on CPU instead: --backend gloo --device cpu")
+    if args.backend == "nccl" and not dist.is_nccl_available():
+        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
+                         "or use --backend gloo")
+    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
+    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
+                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
+                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
+
+
+def check_setup(args, rank):
+    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
+    check_sharding(args, world_size=int(os.environ.get("WORLD_SIZE", args.nprocs)))
+    if rank == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json,
+                       args.checkpoint_dir and os.path.join(args.checkpoint_dir, "latest.json"))
+
+
+def check_sharding(args, world_size):
+    """What this torch, the ranks or a checkpoint cannot do; world_size: the ranks of this run."""
+    if not hasattr(fsdp, "fully_shard"):
+        raise UsageError(f"this script needs torch >= 2.6 (fully_shard in torch.distributed.fsdp), "
+                         f"this is torch {torch.__version__}: upgrade torch (the other lessons run on 2.3)")
+    global_batch = args.global_batch_size or args.batch_size * world_size
+    if global_batch % world_size:
+        raise UsageError(f"--global-batch-size {global_batch} does not split evenly over {world_size} "
+                         f"ranks: choose a multiple of {world_size}")
+    if args.shard == "zero" and (args.checkpoint_dir or args.resume_from):
+        raise UsageError("--shard zero has no sharded checkpoint (ZeroRedundancyOptimizer gathers "
+                         "AdamW's state onto one rank to save it): use --shard fsdp or ddp")
+    if args.resume_from:
+        meta = read_checkpoint(args.resume_from)
+        if meta["model"] != args.model:  # ddp <-> fsdp is fine: the same tensors to DCP
+            raise UsageError(f"{args.resume_from} holds --model {meta['model']}, not {args.model}: "
+                             f"resume with --model {meta['model']}")
+        if meta["global_batch_size"] != global_batch:
+            raise UsageError(f"{args.resume_from} was trained with a global batch of "
+                             f"{meta['global_batch_size']}, this run's is {global_batch}: pass "
+                             f"--global-batch-size {meta['global_batch_size']} to take the same steps")
+        if meta["steps"] >= (args.max_steps or math.inf) or meta["epochs_done"] >= args.epochs:
+            raise UsageError(f"{args.resume_from} has taken {meta['steps']} steps ({meta['epochs_done']} "
+                             f"epochs) already: raise --max-steps or --epochs (they count those too)")
+
+
+def main(args):
+    if "RANK" in os.environ:
+        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
+        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        check_setup(args, rank)
+        worker(rank, world_size, args)
+        return
+    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
+    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
+    check_setup(args, rank=0)
+    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    if args.nprocs > cpu_cores() and not args.quiet:
+        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
+              f"expect it slower than fewer processes", flush=True)
+    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+
+
+# --------------------------------------------------------------------------- command line
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="mlp")
+    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
+                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64)
+    p.add_argument("--global-batch-size", type=positive(int), default=None,
+                   help="the batch of all ranks together (instead of --batch-size per rank): keep it "
+                        "when changing the number of ranks, and every step stays the same")
+    p.add_argument("--lr", type=positive(float), default=1e-3, help="AdamW's learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--nprocs", type=positive(int), default=None,
+                   help="processes to spawn (default: one per visible GPU, 2 on CPU; "
+                        "ignored under torchrun, which sets WORLD_SIZE)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with --device cuda, gloo with --device cpu")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="mixed precision (fp16 with a gradient scaler)")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--shard", choices=["ddp", "zero", "fsdp"], default="fsdp",
+                   help="ddp: all on every rank; zero: AdamW's state sharded (ZeroRedundancyOptimizer); "
+                        "fsdp (default): parameters, gradients and AdamW's state sharded (fully_shard)")
+    p.add_argument("--checkpoint-dir", type=str, default=None, metavar="DIR",
+                   help="after every epoch (and at --max-steps), save the model and AdamW's state "
+                        "as shards with torch.distributed.checkpoint into DIR")
+    p.add_argument("--resume-from", type=str, default=None, metavar="DIR",
+                   help="continue from DIR's checkpoint on any number of ranks, with the same --model "
+                        "and global batch; --max-steps and --epochs count its steps too. The steps are "
+                        "the uninterrupted run's, but for dropout (convnet), which draws anew")
+    p.add_argument("--save", type=str, default=None,
+                   help="write the final state_dict here: whole, plain (loads into build_model()) "
+                        "in every mode")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--timeout", type=positive(int), default=300,
+                   help="seconds any collective may wait for the other ranks before failing")
+    args = p.parse_args(argv)
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.nprocs is None:  # one process per visible GPU
+        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
+    if args.threads_per_proc is None:
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
+        args.threads_per_proc = max(1, cpu_cores() // procs)
+    return args
+
+
+def check_writable(*paths):
+    """Refuse now, not after training, an output that cannot be written; create missing folders."""
+    for path in filter(None, paths):
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"cannot write {path}: no write permission in {folder}")
+
+
+if __name__ == "__main__":
+    main(parse_args())
