@@ -226,6 +226,7 @@ def worker(rank, world_size, args):
         print(f"done: timed {len(sizes)} sizes, {sizes[0]:,} to {sizes[-1]:,} bytes, {world_size} processes; "
               f"ring {describe(fits['ring'])}; torch {describe(fits['torch'])}"
               + (f"; wrote {args.json}" if args.json else ""), flush=True)
+    dist.barrier()  # the ranks leave together, once rank 0 has fitted and written
     dist.destroy_process_group()
 
 

@@ -228,6 +228,7 @@ def worker(rank, world_size, args):
                 json.dump({"mode": args.mode, "world_size": world_size, "width": args.width,
                            "batch_size": args.batch_size, "microbatches": args.microbatches,
                            "loss": losses, "seconds_per_step": seconds}, f, indent=2)
+    dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
 
