@@ -16,11 +16,12 @@ DistributedDataParallel does:
     bucketed    gradients gathered, in the order backward produces them, into buckets of about
                 --bucket-mb; each bucket's all-reduce starts once the bucket is full (DDP's way)
 
-Each class wraps a model (`sync = Bucketed(model, bucket_mb=25)`), and `sync.finish()` waits for
-the averaged gradients before `optimizer.step()`. --profile DIR writes a torch.profiler trace of a
-few steps per rank (open it in https://ui.perfetto.dev or chrome://tracing). A teaching script: it
-reads the data that mnist_single.py (or any lesson script) has prepared, and it has none of the
-hardening of mnist_ddp_cpu.py, which is the one to copy.
+Each class wraps a model (`sync = Bucketed(model, bucket_mb=25)`);
+`sync.finish_gradient_synchronization()` waits for the averaged gradients before `optimizer.step()`.
+--profile DIR writes a torch.profiler trace of a few steps per rank (open it in
+https://ui.perfetto.dev or chrome://tracing). A teaching script: it reads the data that
+mnist_single.py (or any lesson script) has prepared, and it has none of the hardening of
+mnist_ddp_cpu.py, which is the one to copy.
 """
 import argparse
 import json
@@ -192,6 +193,7 @@ class Bucketed(PerTensor):
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(bucket) for bucket in self.buckets]  # gradients not yet ready, per bucket
         self.pending = {}  # bucket index -> (its buffer, the all-reduce under way)
+        self.buffers = {}  # bucket index -> its buffer, kept from step to step as DDP keeps its own
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.ready)
 
@@ -202,7 +204,10 @@ class Bucketed(PerTensor):
             self.start(i)
 
     def start(self, i):
-        flat = torch.cat([gradient(p).reshape(-1) for p in self.buckets[i]])
+        grads = [gradient(p).reshape(-1) for p in self.buckets[i]]
+        if i not in self.buffers:  # a new buffer each step would cost its allocation (page faults) each step
+            self.buffers[i] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+        flat = torch.cat(grads, out=self.buffers[i])
         self.pending[i] = (flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
 
     def finish_gradient_synchronization(self):
@@ -229,7 +234,7 @@ def profiler(args, rank):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     path = os.path.join(args.profile, f"rank{rank}.json")
-    return profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3),
+    return profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
                    on_trace_ready=lambda prof: prof.export_chrome_trace(path))
 
 

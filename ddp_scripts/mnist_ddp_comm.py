@@ -3,6 +3,7 @@
     python mnist_ddp_comm.py --model mlp --accum-steps 4     # all-reduce once per 4 micro-batches
     python mnist_ddp_comm.py --model mlp --comm-hook bf16    # send the gradients in bf16
     python mnist_ddp_comm.py --backend gloo --device cpu --nprocs 2 --model mlp --bucket-cap-mb 1
+    python mnist_ddp_comm.py --model mlp --profile traces    # traces/rank<r>.json: what overlaps
 
 Self-contained: copy it anywhere, it needs only torch and torchvision (tqdm optional).
 Compare it with mnist_ddp_gpu.py: the diff is what this lesson adds (above the "hardening" fence).
@@ -251,6 +252,9 @@ def train(rank, local_rank, world_size, args):
         f"micro-batch(es) of {args.batch_size} ({args.batch_size * args.accum_steps * world_size} "
         f"images per step in all)", flush=True)
     history, steps, start = [], 0, time.perf_counter()
+    trace = profile_steps(args, rank, device)
+    if trace:
+        trace.start()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
@@ -281,6 +285,8 @@ def train(rank, local_rank, world_size, args):
                 scaler.step(optimizer)  # the same averaged gradients on every rank: the same step
                 scaler.update()
                 steps += 1
+                if trace:
+                    trace.step()
                 if steps == args.max_steps:
                     break
         if device.type == "cuda":
@@ -313,6 +319,9 @@ def train(rank, local_rank, world_size, args):
         if steps == args.max_steps:
             break
 
+    if trace:
+        trace.stop()
+
     # 7. Print and save on rank 0 only; model.module holds plain (non-DDP) parameter names.
     if rank == 0:
         last = history[-1]
@@ -335,6 +344,20 @@ def time_allreduce(numel, dtype, device, repeats=5):
             torch.cuda.synchronize(device)  # NCCL returns before the GPU has done it
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[repeats // 2]
+
+
+def profile_steps(args, rank, device):
+    """--profile DIR: a torch.profiler trace of optimizer steps 3 to 5 of this rank, DIR/rank<rank>.json
+    (open it in https://ui.perfetto.dev: backward's operators, and the all-reduces beside them on
+    Gloo's threads or NCCL's stream). None without --profile."""
+    if not args.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    path = os.path.join(args.profile, f"rank{rank}.json")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                   on_trace_ready=lambda prof: prof.export_chrome_trace(path))
 
 
 def worker(rank, world_size, args):
@@ -470,6 +493,8 @@ def parse_args(argv=None):
                         "(default: DDP's own, 25 MB after a first bucket of 1 MiB)")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--profile", type=str, default=None, metavar="DIR",
+                   help="write a torch.profiler trace of optimizer steps 3 to 5 of each rank into DIR")
     p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
     p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
@@ -484,6 +509,8 @@ def parse_args(argv=None):
     if args.threads_per_proc is None:
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)
+    if args.profile:  # every rank writes its trace there: refused now, not after training
+        check_writable(os.path.join(args.profile, "rank0.json"))
     return args
 
 

@@ -123,3 +123,42 @@ def input_pipeline_rates(data_dir, dataset, n_batches=200, batch=64):
             next(loader)
         rates[name] = n_batches * batch / (time.perf_counter() - start)
     return rates
+
+
+# --------------------------------------------------------------------------- lesson 9: a step in a trace
+def overlap_in_trace(path, step=-1):
+    """One profiled step of one rank's torch.profiler trace (a chrome-trace JSON, as --profile DIR
+    writes): when backward ran on the main thread (its autograd operators, `*Backward0`) and when
+    the all-reduces ran (events named `...all_reduce...`, on Gloo's threads or the main one).
+    Returns {"step_ms", "backward_ms", "allreduce_ms", "overlapped_ms"}: the span of backward, the
+    time covered by at least one all-reduce, and the part of it before backward's last operator
+    ended. `step` picks one of the profiled steps (ProfilerStep#k events), the last by default."""
+    import json
+
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError(f"{path}: no ProfilerStep events (profile at least 5 steps)")
+    chosen = steps[step]
+    begin, end = chosen["ts"], chosen["ts"] + chosen["dur"]
+
+    def inside(e):
+        return begin <= e["ts"] < end
+
+    backward = [e for e in events if inside(e) and e["name"].endswith("Backward0")
+                and not e["name"].startswith("autograd::")]
+    reduces = sorted(((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if inside(e) and "all_reduce" in e["name"]), key=lambda span: span[0])
+    if not backward:
+        raise ValueError(f"{path}: no backward operators in the chosen step")
+    backward_end = max(e["ts"] + e["dur"] for e in backward)
+    backward_start = min(e["ts"] for e in backward)
+    covered, before_end, last = 0.0, 0.0, -math.inf  # the union of the all-reduces' spans
+    for start, stop in reduces:
+        start = max(start, last)
+        if stop > start:
+            covered += stop - start
+            before_end += max(0.0, min(stop, backward_end) - start)
+            last = stop
+    return {"step_ms": chosen["dur"] / 1e3, "backward_ms": (backward_end - backward_start) / 1e3,
+            "allreduce_ms": covered / 1e3, "overlapped_ms": before_end / 1e3}

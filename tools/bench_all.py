@@ -12,9 +12,13 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 BENCHMARKS = [  # (name, script, what it measures)
     ("startup", "bench_startup.py", "what a short job pays before its first step"),
-    ("cpu", "bench.py", "lesson 2: 1 process against N on the CPU"),
+    ("cpu", "bench.py", "lesson 6: 1 process against N on the CPU, threads"),
     ("comm", "bench_comm.py", "lesson 6: communicating less"),
+    ("allreduce", "draw_allreduce_cost.py", "lesson 9: the ring all-reduce by hand against Gloo's"),
+    ("by-hand", "bench_by_hand.py", "lesson 9: each way of averaging the gradients against DDP"),
+    ("trace", "draw_overlap_trace.py", "lesson 9: one step of rank 0 in a profiler trace, by hand and DDP"),
     ("gcn", "bench_gcn.py", "lesson 4: the GCN, 1 rank against 2"),
+    ("fsdp", "bench_fsdp.py", "sharding: memory per rank and time per step, ZeRO and FSDP against DDP"),
 ]
 
 

@@ -2,6 +2,7 @@
 
     python ddp_scripts/allreduce_by_hand.py --mode measure --json build/allreduce.json
     python tools/draw_allreduce_cost.py build/allreduce.json [--out figures/allreduce_cost.png]
+    python tools/draw_allreduce_cost.py        # measure first (make bench): build/bench/allreduce.json
 
 Reads the JSON that allreduce_by_hand.py writes: the measured medians of ring_all_reduce and
 dist.all_reduce on log-log axes, with the fitted T = alpha + sent / beta of each as a line (sent:
@@ -10,6 +11,8 @@ machine and date of the measurement in the title.
 """
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +70,16 @@ def draw(json_path, out_path=REPO / "figures" / "allreduce_cost.png"):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, help="written by allreduce_by_hand.py --mode measure --json")
+    parser.add_argument("json", type=Path, nargs="?",
+                        help="written by allreduce_by_hand.py --mode measure --json (default: measure now)")
     parser.add_argument("--out", type=Path, default=REPO / "figures" / "allreduce_cost.png")
     args = parser.parse_args()
+    if args.json is None:
+        args.json = REPO / "build" / "bench" / "allreduce.json"
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        script = REPO / "ddp_scripts" / "allreduce_by_hand.py"
+        command = [sys.executable, script, "--mode", "measure", "--nprocs", "2", "--json", args.json]
+        subprocess.run(command, check=True)
     print(f"wrote {draw(args.json, args.out)}")
 
 
