@@ -53,14 +53,22 @@ run)
         done
     fi
     # While the sampler builds: lesson 5 first (its --deterministic GPU test has not run on a GPU
-    # yet), then lesson 6. Lesson 3's GPU tests (tests/test_gpu_script.py) have passed on a GPU
+    # yet), then lesson 6. Lesson 3's GPU tests (tests/e2e/test_gpu_script.py) have passed on a GPU
     # before and are left out, to keep the run short.
     echo "== $(date +%T) lesson 5 on the GPU (a crash, a torchrun restart, the resumed weights)"
-    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_resume.py -k gpus \
+    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -s -p no:cacheprovider tests/e2e/test_resume.py -k gpus \
         2>&1 | tee "$out/pytest-resume.log" || failed+=(pytest-resume)
     echo "== $(date +%T) lesson 6 on the GPU (NCCL, accumulation, bf16 gradients)"
-    PYTHONUNBUFFERED=1 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py -k gpus \
+    PYTHONUNBUFFERED=1 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/e2e/test_comm.py -k gpus \
         2>&1 | tee "$out/pytest-comm.log" || failed+=(pytest-comm)
+    echo "== $(date +%T) synchronisations per GPU step, counted by the profiler (lessons 3, 5, 6)"
+    PYTHONUNBUFFERED=1 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/unit/test_gpu_checks.py \
+        -k synchronisations 2>&1 | tee "$out/pytest-syncs.log" || failed+=(pytest-syncs)
+    echo "== $(date +%T) sharding on one GPU (NCCL, CUDA's peak memory), FSDP then ZeRO"
+    for shard in fsdp zero; do
+        PYTHONUNBUFFERED=1 timeout 120 $PY ddp_scripts/mnist_fsdp.py --shard $shard --max-steps 50 \
+            --metrics-json "$out/fsdp-$shard.json" 2>&1 | tee "$out/fsdp-$shard.log" || failed+=(fsdp-$shard)
+    done
     if ((${#builds[@]})); then
         echo "== $(date +%T) waiting for the sampler build"
         wait "${builds[@]}"
@@ -70,7 +78,7 @@ run)
     # Lesson 4 needs the sampler. Time limits keep the whole run within about 10 minutes.
     if $PY -c "$have_sampler"; then
         echo "== $(date +%T) GPU tests (lesson 4)"
-        PYTHONUNBUFFERED=1 timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_gcn.py -k nccl_on_gpus \
+        PYTHONUNBUFFERED=1 timeout 200 $PY -m pytest -q -p no:cacheprovider tests/e2e/test_gcn.py -k nccl_on_gpus \
             2>&1 | tee "$out/pytest-gcn.log" || failed+=(pytest-gcn)
         echo "== $(date +%T) tools/gpu_check.py --lesson 4"
         PYTHONUNBUFFERED=1 timeout 200 $PY tools/gpu_check.py --lesson 4 2>&1 | tee "$out/gpu_check.log" \

@@ -40,6 +40,10 @@ def test_every_lesson_ends_with_exercises_and_their_solutions(path):
     assert 2 <= len(exercises) <= 4 and exercises == [str(i + 1) for i in range(len(exercises))], exercises
     solutions = REPO / "notebooks" / "solutions" / f"{path.stem}_solutions.ipynb"
     assert solutions.exists() and f"solutions/{solutions.name}" in text
+    # A starter cell right after them, where the learner makes the edit; run as it comes (the
+    # notebook tier runs it), it only says what to fill in.
+    starter = nb.cells[start + 1]
+    assert starter.cell_type == "code" and "Run as it is, it only says what to fill in" in starter.source
     assert len([h for h in headings(solutions) if h.startswith("## Exercise ")]) == len(exercises)
 
 

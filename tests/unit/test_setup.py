@@ -1,5 +1,6 @@
 """The set-up in layers: where lesson 4's neighbour sampler comes from (prebuilt wheels, PyG's
 index, or the sources), decided offline against local folders standing in for each."""
+import re
 import shutil
 import sys
 import time
@@ -82,3 +83,12 @@ def test_make_help_lists_every_target_in_its_group():
     assert "\nThe course\n" in r.stdout and "\nMaintainers" in r.stdout
     r = subprocess.run(["make", "-s"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert r.stdout.strip().startswith("The course"), "make alone should show the help"
+
+
+def test_the_gpu_session_names_tests_and_scripts_that_exist():
+    """tools/gpu_session.sh runs chosen tests and scripts on a GPU machine; a path that has moved
+    would only show there, as a missing file, in the little time such a machine is at hand."""
+    text = (REPO / "tools" / "gpu_session.sh").read_text()
+    paths = set(re.findall(r"\b((?:tests|ddp_scripts|tools|notebooks)/[\w/]+\.(?:py|ipynb))", text))
+    assert {"tests/e2e/test_resume.py", "tests/unit/test_gpu_checks.py", "ddp_scripts/mnist_fsdp.py"} <= paths
+    assert not [p for p in paths if not (REPO / p).exists()]
