@@ -279,3 +279,13 @@ def test_the_notebooks_need_nothing_from_the_maintainers_tools():
                if c.cell_type == "code"]
     sources += [p.read_text() for p in (REPO / "notebooks").glob("*.py")]
     assert not [s for s in sources if re.search(r"""/\s*["']tools["']|["'](\.\./)?tools/""", s)]
+
+
+@pytest.mark.parametrize("name, cells, words", [("02_ddp_cpu_gloo.ipynb", 25, 1800),
+                                                ("09_ddp_from_the_inside.ipynb", 35, 2500)])
+def test_a_lesson_reads_in_one_sitting(name, cells, words):
+    """Lesson 2 (the idea, by hand, DDP, launching, the global batch, one equivalence check) and
+    lesson 9 stay within their sizes: cells, and words of prose (Markdown cells)."""
+    nb = nbformat.read(REPO / "notebooks" / name, as_version=4)
+    prose = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    assert len(nb.cells) <= cells and prose <= words, (len(nb.cells), prose)
