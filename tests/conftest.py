@@ -9,26 +9,19 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers.py, from every tier's folder
-from helpers import DATA_DIR, REPO, RESUME_LINEAR, load_script  # noqa: E402
+from helpers import DATA_DIR, REPO, RESUME_LINEAR, course_session, load_script, start_preloaded  # noqa: E402
 
 sys.path.insert(0, str(REPO / "notebooks"))
 import course_helpers  # noqa: E402
 
-# The notebooks run as tests too (nbmake, testpaths in pyproject.toml): in smoke mode, tiny runs,
-# unless COURSE_SMOKE=0 is set (the kernels inherit this environment). A notebook fails when a cell
-# raises: its asserts, or course_helpers.run() finding a script failed or ended without "done:".
-os.environ.setdefault("COURSE_SMOKE", "1")
-# ... and their runs (course_helpers.run), as the tests' own, are forked from a Python with torch
-# imported already (tests/launcher.py); COURSE_PRELOADED=0 starts each in a new interpreter.
-os.environ.setdefault("COURSE_PRELOADED", "1")
+# The notebooks run as tests too (nbmake, testpaths in pyproject.toml), in smoke mode; a notebook
+# fails when a cell raises: its asserts, or course_helpers.run() finding a script failed or ended
+# without "done:". The session's defaults and its preloaded Python: helpers.course_session().
+course_session()
 
 
 def pytest_sessionstart(session):
-    """One preloaded Python for the whole session, the notebooks' kernels included."""
-    if os.environ.get("COURSE_PRELOADED") == "1":
-        from helpers import PRELOADED
-
-        os.environ["COURSE_LAUNCHER"] = PRELOADED.ensure_started()
+    start_preloaded()
 
 
 TIERS = ("unit", "e2e", "cluster")

@@ -80,6 +80,23 @@ def run_script(script, *args, timeout=240, env=None, launcher=None, cwd=REPO, fr
 
 PRELOADED = Launcher()
 
+
+def course_session():
+    """The session's defaults, for tests and notebooks alike (both conftest.py files call it): the
+    notebooks run in smoke mode, tiny runs, unless COURSE_SMOKE=0 (their kernels inherit this
+    environment); every launch (course_helpers.run, run_script) is forked from one Python with
+    torch imported already (tests/launcher.py), unless COURSE_PRELOADED=0."""
+    os.environ.setdefault("COURSE_SMOKE", "1")
+    os.environ.setdefault("COURSE_PRELOADED", "1")
+
+
+def start_preloaded():
+    """pytest_sessionstart: one preloaded Python for the whole session, the notebooks' kernels
+    included (they find it through COURSE_LAUNCHER)."""
+    if os.environ.get("COURSE_PRELOADED") == "1":
+        os.environ["COURSE_LAUNCHER"] = PRELOADED.ensure_started()
+
+
 # Lesson 5's reference run (the `uninterrupted` fixture) and the runs compared with it.
 RESUME_LINEAR = ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--epochs", 3]
 
