@@ -671,12 +671,16 @@ def spawned_worker(rank, worker, stop, *worker_args):
                 worker(rank, *worker_args)
             except UsageError as err:
                 said_once(err, rank)
+        code = 0
+    except SystemExit as exit_:  # said_once's exit code
+        code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
         # Deaf again: an interrupted worker gets a second SIGINT (the terminal's, then the
         # launcher's), and one that lands after mp.spawn's wrapper has caught the first, on the
         # way out, would print a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         exit_sooner()
+    leave(code)  # an exception other than SystemExit went on to mp.spawn's wrapper, its traceback
 
 
 def native_threads():
@@ -717,6 +721,21 @@ def exit_sooner():
     import gc
 
     gc.freeze()
+
+
+def leave(code):
+    """End this process now with exit code `code`, the way multiprocessing ends a forked worker
+    (os._exit), after the atexit functions and with the output flushed: Python's own shutdown is
+    skipped. During that shutdown, on Python before 3.14, a thread of torch's that calls into
+    Python (a Gloo thread dropping the last reference to a tensor that Python made) is ended in
+    the middle of C++ code, and the process aborts: "terminate called without an active
+    exception" (CPython gh-87135), a finished run reported as killed by SIGABRT."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn_workers(worker, nprocs, *worker_args):
@@ -824,7 +843,7 @@ def run_main(argv=None):
         sys.exit(2)
     try:
         main(args)
-        exit_sooner()
+        leave(0)
     except UsageError as err:
         if "RANK" in os.environ:  # torchrun: every rank may have met it; rank 0 says it
             said_once(err, rank)
