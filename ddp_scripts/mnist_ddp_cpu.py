@@ -516,6 +516,7 @@ def roll_call(check, args, rank, world_size, timeout=None):
     timeout = timeout or args.timeout
     problem = ""
     try:
+        check_network()
         check(args, rank)
     except UsageError as err:
         problem = str(err) if rank == 0 else f"{err} (rank {rank}, on {socket.gethostname()})"
@@ -675,6 +676,20 @@ def leave(code):
     os._exit(code)
 
 
+def check_network():
+    """GLOO_SOCKET_IFNAME names the network interfaces Gloo binds to, a comma-separated list: one
+    that this machine lacks stops each rank in init_process_group with a C++ traceback."""
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if not names or not hasattr(socket, "if_nameindex"):
+        return
+    present = sorted(name for _, name in socket.if_nameindex())
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise UsageError(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']}: this machine has no "
+                         f"network interface {', '.join(missing)} (it has {', '.join(present)}): name "
+                         f"the interface of the network that the machines share, or unset it")
+
+
 def spawn_workers(worker, nprocs, *worker_args):
     """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), the workers started as
     start_method() says, and however the run ends, it ends whole: a worker that fails makes
@@ -683,6 +698,7 @@ def spawn_workers(worker, nprocs, *worker_args):
     import logging
     import signal
 
+    check_network()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
     # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
     # failure; the one line this launcher prints says so already.
@@ -790,11 +806,20 @@ def run_main(argv=None):
         import re
 
         lost = re.search(r"Connection (?:closed|reset) by peer[^.]*|Broken pipe", str(err))
-        if not lost or "RANK" not in os.environ:  # a bug: its traceback; mp.spawn's launcher reports
-            raise
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
+        unreachable = re.search(r"connectFullMesh failed with (?:\[[^]]*\] )?([^$\n]*)", str(err))
+        if not (lost or unreachable) or "RANK" not in os.environ:  # a bug: its traceback, reported
+            raise                                                   # by mp.spawn's launcher
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and lost:  # one line per machine
             say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
                 f"machine of this job has gone; the first error in each machine's output says which")
+            sys.exit(1)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # Gloo's ranks did not reach each other
+            loopback = "remote=[127." in str(err)
+            say(f"rank {rank} on {socket.gethostname()} could not connect to the other ranks "
+                f"({unreachable[1].strip()}): "
+                + ("a rank gave a loopback address (its machine's GLOO_SOCKET_IFNAME is lo, or its "
+                   "hostname resolves to 127.0.1.1 in /etc/hosts); " if loopback else "")
+                + "set GLOO_SOCKET_IFNAME on every machine to the interface of the network they share")
             sys.exit(1)
         exit_after_the_speaker()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped

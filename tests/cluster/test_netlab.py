@@ -6,9 +6,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
-from helpers import REPO
+from helpers import REPO, SCRIPTS, script_env
 
 sys.path.insert(0, str(REPO / "tools"))
 import netlab  # noqa: E402
@@ -33,6 +35,25 @@ try:
     print("accepted")
 except TimeoutError:
     print("none")
+"""
+# A rank of a two-host Gloo group: one all-reduce to connect, then one timed all-reduce per line
+# the test writes (it sets the link in between); then the sums.
+ALL_REDUCE = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+rank, master, port, floats = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+x = torch.full((floats,), float(rank + 1))
+dist.all_reduce(x)
+print("ready", flush=True)
+for line in sys.stdin:
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(x)
+    print(time.perf_counter() - start, flush=True)
+print("sum", x.min().item(), x.max().item(), flush=True)
+dist.destroy_process_group()
 """
 IDENTITY = ("import socket; name = socket.gethostname(); "
             "print(name, socket.getfqdn(), socket.gethostbyname(name), socket.gethostbyname('{other}'))")
@@ -158,3 +179,107 @@ def test_netlab_rate_caps_both_directions(lab):
     uncapped = lab.transfer("host0", "host1", nbytes)
     assert min(capped) >= floor, (capped, floor)
     assert uncapped < min(capped) / 3, (uncapped, capped)
+
+
+@pytest.mark.timeout(120)
+def test_netlab_all_reduce_across_a_capped_link_takes_at_least_its_bytes_over_the_rate(lab, tmp_path):
+    """Gloo's all-reduce of 4 MB between the two hosts, with GLOO_SOCKET_IFNAME naming the lab's
+    interface: each rank's result depends on every byte of the other's tensor, so at least 4 MB
+    cross the link each way, which at 100 Mbit/s takes 0.32 s or more (0.8x for tbf's burst). A
+    lower bound, not a speed target; the same all-reduce on the uncapped link is much quicker."""
+    floats, rate = 1_000_000, "100mbit"
+    floor = 0.8 * floats * 4 * 8 / netlab.parse_rate(rate)
+    env = netlab.course_env({"GLOO_SOCKET_IFNAME": netlab.IFNAME})
+    logs = [tmp_path / f"rank{rank}.err" for rank in range(2)]
+    master = lab.address(lab.hosts[0])
+    ranks = [lab.popen(host, [sys.executable, "-c", ALL_REDUCE, rank, master, 29511, floats], env=env,
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+             for rank, (host, log) in enumerate(zip(lab.hosts, logs))]
+    seconds = {}
+    try:
+        started = [r.stdout.readline().strip() for r in ranks]
+        assert started == ["ready", "ready"], [log.read_text() for log in logs]
+        for setting in ("none", rate):
+            lab.set_rate(setting)
+            for r in ranks:
+                r.stdin.write("go\n")
+                r.stdin.flush()
+            seconds[setting] = max(float(r.stdout.readline()) for r in ranks)
+        for r in ranks:
+            r.stdin.close()
+        sums = [r.stdout.readline().split() for r in ranks]
+        codes = [r.wait(timeout=30) for r in ranks]
+    finally:
+        lab.set_rate("none")
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+    assert codes == [0, 0], [log.read_text() for log in logs]
+    assert sums == [["sum", "12.0", "12.0"]] * 2  # 1 + 2, then doubled by each timed all-reduce
+    assert seconds[rate] >= floor, (seconds, floor)
+    assert seconds["none"] < seconds[rate] / 3, seconds
+
+
+def torchrun_on_both_hosts(lab, data_args, interfaces, timeout, port):
+    """mnist_ddp_cpu.py under one torchrun per lab host (static rendezvous at host0's address), each
+    host's GLOO_SOCKET_IFNAME as given: [(exit code, output, seconds until it ended)] per host."""
+    lab.set_rate("none")
+    agents, start = [], time.monotonic()
+    for node, (host, ifname) in enumerate(zip(lab.hosts, interfaces)):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", node,
+                   "--master-addr", lab.address(lab.hosts[0]), "--master-port", port, "--nproc-per-node", 1,
+                   SCRIPTS / "mnist_ddp_cpu.py", "--max-steps", 1, *data_args, "--timeout", timeout]
+        env = script_env(**netlab.course_env({"GLOO_SOCKET_IFNAME": ifname}))
+        agents.append(lab.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=REPO, env=env))
+    results = [None, None]
+
+    def wait(i):
+        output = agents[i].communicate(timeout=150)[0]
+        results[i] = (agents[i].returncode, output, time.monotonic() - start)
+
+    waiting = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
+    for thread in waiting:
+        thread.start()
+    for thread in waiting:
+        thread.join()
+    return results
+
+
+def error_lines(results):
+    return [line for _, out, _ in results for line in out.splitlines()
+            if line.startswith("mnist_ddp_cpu.py: error:")]
+
+
+@pytest.mark.timeout(150)
+def test_netlab_a_missing_interface_on_one_host_stops_both_in_one_line(lab, data_args):
+    """host1's GLOO_SOCKET_IFNAME names an interface it lacks: its rank answers the roll call with
+    that, and rank 0 says it once for both hosts, within seconds (not --timeout), with no traceback;
+    without the check, Gloo stops the rank with a C++ traceback in init_process_group and the other
+    host waits."""
+    results = torchrun_on_both_hosts(lab, data_args, [netlab.IFNAME, "eth9"], timeout=90, port=29512)
+    assert all(code != 0 for code, _, _ in results), results
+    (line,) = error_lines(results)
+    assert "GLOO_SOCKET_IFNAME=eth9: this machine has no network interface eth9 (it has eth0, lo)" in line
+    assert "(rank 1, on host1)" in line
+    assert not any("]: Traceback" in out for _, out, _ in results), results
+    assert max(seconds for _, _, seconds in results) < 60  # not --timeout
+
+
+@pytest.mark.timeout(150)
+def test_netlab_a_loopback_interface_is_reported_on_each_host_in_one_line(lab, data_args):
+    """GLOO_SOCKET_IFNAME=lo on both hosts: each rank gives the other 127.0.0.1, which leads back
+    to itself. The rank that connects is refused at once; the one that waits for a connection
+    waits out Gloo's retries, about five times --timeout (measured: 29 s at --timeout 5, 80 s at
+    15). Each host says why in one line (the loopback address named), no rank's traceback."""
+    results = torchrun_on_both_hosts(lab, data_args, ["lo", "lo"], timeout=3, port=29514)
+    assert all(code != 0 for code, _, _ in results), results
+    lines = error_lines(results)
+    assert sorted(line.split(" could not connect")[0] for line in lines) == [
+        "mnist_ddp_cpu.py: error: rank 0 on host0", "mnist_ddp_cpu.py: error: rank 1 on host1"], results
+    assert any("a rank gave a loopback address" in line for line in lines), lines
+    assert all(line.endswith("set GLOO_SOCKET_IFNAME on every machine to the interface of the network "
+                             "they share") for line in lines), lines
+    assert not any("]: Traceback" in out for _, out, _ in results), results
+    assert max(seconds for _, _, seconds in results) < 60, results

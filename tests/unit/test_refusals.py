@@ -150,3 +150,14 @@ def test_the_template_has_no_preparation_flag_when_it_has_nothing_to_prepare(mon
     monkeypatch.setattr(template, "prepare_data", None)
     assert not hasattr(template.parse_args([]), "prepare_timeout")
     assert "--prepare-timeout" in refused("template_ddp", monkeypatch, "--prepare-timeout", "5")
+
+
+def test_a_network_interface_this_machine_lacks_is_refused(monkeypatch, data_args):
+    """GLOO_SOCKET_IFNAME naming an interface that is not here: one line, before any worker starts
+    (Gloo itself stops every rank with a C++ traceback). Interfaces that exist pass."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert script("mnist_ddp_cpu").check_network() is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,nosuch0")
+    line = refused("mnist_ddp_cpu", monkeypatch, "--max-steps", "1", *data_args)
+    assert "GLOO_SOCKET_IFNAME=lo,nosuch0: this machine has no network interface nosuch0 (it has " in line
+    assert "lo" in line.split("(it has ")[1]
