@@ -763,9 +763,9 @@ def leave(code):
     """End this process now with exit code `code`, the way multiprocessing ends a forked worker
     (os._exit), after the atexit functions and with the output flushed: Python's own shutdown is
     skipped. During that shutdown, on Python before 3.14, a thread of torch's that calls into
-    Python (a Gloo thread dropping the last reference to a tensor that Python made) is ended in
-    the middle of C++ code, and the process aborts: "terminate called without an active
-    exception" (CPython gh-87135), a finished run reported as killed by SIGABRT."""
+    Python (for instance a Gloo thread dropping the last reference to a tensor that Python made)
+    is ended in the middle of C++ code, and the process aborts: "terminate called without an
+    active exception" (CPython gh-87135), a finished run reported as killed by SIGABRT."""
     import atexit
 
     atexit._run_exitfuncs()

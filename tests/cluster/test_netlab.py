@@ -271,7 +271,7 @@ def test_netlab_a_missing_interface_on_one_host_stops_both_in_one_line(lab, data
 def test_netlab_a_loopback_interface_is_reported_on_each_host_in_one_line(lab, data_args):
     """GLOO_SOCKET_IFNAME=lo on both hosts: each rank gives the other 127.0.0.1, which leads back
     to itself. The rank that connects is refused at once; the one that waits for a connection
-    waits out Gloo's retries, about five times --timeout (measured: 29 s at --timeout 5, 80 s at
+    waits far longer than --timeout before Gloo gives up (measured: 29 s at --timeout 5, 80 s at
     15). Each host says why in one line (the loopback address named), no rank's traceback."""
     results = torchrun_on_both_hosts(lab, data_args, ["lo", "lo"], timeout=3, port=29514)
     assert all(code != 0 for code, _, _ in results), results
