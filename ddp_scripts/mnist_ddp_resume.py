@@ -877,7 +877,8 @@ def leave(code):
     skipped. During that shutdown, on Python before 3.14, a thread of torch's that calls into
     Python (for instance a Gloo thread dropping the last reference to a tensor that Python made)
     is ended in the middle of C++ code, and the process aborts: "terminate called without an
-    active exception" (CPython gh-87135), a finished run reported as killed by SIGABRT."""
+    active exception" (CPython gh-87135), a finished run reported as killed by SIGABRT. A file
+    still open is not flushed here: write through `with` blocks, as the lesson part does."""
     import atexit
 
     atexit._run_exitfuncs()
