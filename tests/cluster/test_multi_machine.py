@@ -9,58 +9,10 @@ import sys
 import time
 
 import pytest
-from helpers import OFFLINE, REPO, SCRIPTS, read_metrics, run_script, script_env, torchrun
+from helpers import (OFFLINE, REPO, SCRIPTS, assert_one_line_error, free_port, read_metrics, run_script,
+                     script_env, torchrun, two_machines)
 
 MNIST = ["--model", "linear", "--max-steps", 20]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def two_machines(script, node_args, procs=(1, 1), env=None, timeout=180, torchrun_args=(), c10d=False,
-                 envs=None):
-    """Start one torchrun agent per entry of node_args (its node rank is its index, under the static
-    rendezvous; with c10d=True, the c10d rendezvous hosted by the first, node ranks on arrival) and
-    wait for both. envs: extra environment per machine. Returns [(returncode, stdout + stderr),
-    ...] and the seconds until both had ended."""
-    port, agents = free_port(), []
-    for node, (args, nprocs) in enumerate(zip(node_args, procs)):
-        if c10d:
-            rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                          "--rdzv-id", "job"]
-        else:
-            rendezvous = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        launcher = ["-m", "torch.distributed.run", "--nnodes", "2", *rendezvous,
-                    "--nproc-per-node", str(nprocs), *torchrun_args]
-        script_args = [SCRIPTS / script, *args] if script else args  # None: args start with a path
-        command = [sys.executable, *launcher, *map(str, script_args)]
-        machine_env = {**(env or {}), **(envs[node] if envs else {})}
-        agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, cwd=REPO, env=script_env(**machine_env)))
-        if c10d and node == 0:
-            time.sleep(1)  # the first machine hosts the rendezvous: let it bind the port first
-    start, results = time.monotonic(), []
-    try:
-        for agent in agents:
-            output, _ = agent.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
-            results.append((agent.returncode, output))
-    finally:
-        for agent in agents:
-            agent.kill()
-    return results, time.monotonic() - start
-
-
-def assert_one_line_error(results, script, message):
-    """Both agents failed; exactly one rank printed the error, with no Python traceback of a rank."""
-    assert all(code != 0 for code, _ in results), results
-    lines = [line for _, out in results for line in out.splitlines() if line.startswith(f"{script}: error:")]
-    assert len(lines) == 1, lines
-    assert message in lines[0], lines[0]
-    assert not any("]: Traceback" in out for _, out in results), results  # "[rank1]: Traceback"
-    return lines[0]
 
 
 def test_a_machine_without_the_data_prepares_its_own_copy(tmp_path, data_args):
