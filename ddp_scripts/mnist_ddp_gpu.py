@@ -873,19 +873,19 @@ def run_main(argv=None):
         unreachable = re.search(r"connectFullMesh failed with (?:\[[^]]*\] )?([^$\n]*)", str(err))
         if not (lost or unreachable) or "RANK" not in os.environ:  # a bug: its traceback, reported
             raise                                                   # by mp.spawn's launcher
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and lost:  # one line per machine
+        if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # one line per machine
+            exit_after_the_speaker()
+        if lost:
             say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
                 f"machine of this job has gone; the first error in each machine's output says which")
-            sys.exit(1)
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # Gloo's ranks did not reach each other
+        else:  # Gloo's ranks did not reach each other
             loopback = "remote=[127." in str(err)
             say(f"rank {rank} on {socket.gethostname()} could not connect to the other ranks "
                 f"({unreachable[1].strip()}): "
                 + ("a rank gave a loopback address (its machine's GLOO_SOCKET_IFNAME is lo, or its "
                    "hostname resolves to 127.0.1.1 in /etc/hosts); " if loopback else "")
                 + "set GLOO_SOCKET_IFNAME on every machine to the interface of the network they share")
-            sys.exit(1)
-        exit_after_the_speaker()
+        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped
         if rank == 0:  # under torchrun, one line from rank 0
             print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)

@@ -6,11 +6,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from helpers import REPO, SCRIPTS, script_env
+from helpers import REPO, SCRIPTS, assert_one_line_error, script_env
 
 sys.path.insert(0, str(REPO / "tools"))
 import netlab  # noqa: E402
@@ -223,7 +222,8 @@ def test_netlab_all_reduce_across_a_capped_link_takes_at_least_its_bytes_over_th
 
 def torchrun_on_both_hosts(lab, data_args, interfaces, timeout, port):
     """mnist_ddp_cpu.py under one torchrun per lab host (static rendezvous at host0's address), each
-    host's GLOO_SOCKET_IFNAME as given: [(exit code, output, seconds until it ended)] per host."""
+    host's GLOO_SOCKET_IFNAME as given. As helpers.two_machines: [(exit code, output)] per host,
+    and the seconds until both had ended."""
     lab.set_rate("none")
     agents, start = [], time.monotonic()
     for node, (host, ifname) in enumerate(zip(lab.hosts, interfaces)):
@@ -233,23 +233,11 @@ def torchrun_on_both_hosts(lab, data_args, interfaces, timeout, port):
         env = script_env(**netlab.course_env({"GLOO_SOCKET_IFNAME": ifname}))
         agents.append(lab.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 cwd=REPO, env=env))
-    results = [None, None]
-
-    def wait(i):
-        output = agents[i].communicate(timeout=150)[0]
-        results[i] = (agents[i].returncode, output, time.monotonic() - start)
-
-    waiting = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
-    for thread in waiting:
-        thread.start()
-    for thread in waiting:
-        thread.join()
-    return results
-
-
-def error_lines(results):
-    return [line for _, out, _ in results for line in out.splitlines()
-            if line.startswith("mnist_ddp_cpu.py: error:")]
+    results = []
+    for agent in agents:
+        output = agent.communicate(timeout=120)[0]
+        results.append((agent.returncode, output))
+    return results, time.monotonic() - start
 
 
 @pytest.mark.timeout(150)
@@ -258,13 +246,12 @@ def test_netlab_a_missing_interface_on_one_host_stops_both_in_one_line(lab, data
     that, and rank 0 says it once for both hosts, within seconds (not --timeout), with no traceback;
     without the check, Gloo stops the rank with a C++ traceback in init_process_group and the other
     host waits."""
-    results = torchrun_on_both_hosts(lab, data_args, [netlab.IFNAME, "eth9"], timeout=90, port=29512)
-    assert all(code != 0 for code, _, _ in results), results
-    (line,) = error_lines(results)
-    assert "GLOO_SOCKET_IFNAME=eth9: this machine has no network interface eth9 (it has eth0, lo)" in line
+    results, seconds = torchrun_on_both_hosts(lab, data_args, [netlab.IFNAME, "eth9"], timeout=90,
+                                              port=29512)
+    line = assert_one_line_error(results, "mnist_ddp_cpu.py", "GLOO_SOCKET_IFNAME=eth9: this machine has "
+                                 "no network interface eth9 (it has eth0, lo)")
     assert "(rank 1, on host1)" in line
-    assert not any("]: Traceback" in out for _, out, _ in results), results
-    assert max(seconds for _, _, seconds in results) < 60  # not --timeout
+    assert seconds < 60  # not --timeout
 
 
 @pytest.mark.timeout(150)
@@ -273,13 +260,14 @@ def test_netlab_a_loopback_interface_is_reported_on_each_host_in_one_line(lab, d
     to itself. The rank that connects is refused at once; the one that waits for a connection
     waits far longer than --timeout before Gloo gives up (measured: 29 s at --timeout 5, 80 s at
     15). Each host says why in one line (the loopback address named), no rank's traceback."""
-    results = torchrun_on_both_hosts(lab, data_args, ["lo", "lo"], timeout=3, port=29514)
-    assert all(code != 0 for code, _, _ in results), results
-    lines = error_lines(results)
+    results, seconds = torchrun_on_both_hosts(lab, data_args, ["lo", "lo"], timeout=3, port=29514)
+    assert all(code != 0 for code, _ in results), results
+    lines = [line for _, out in results for line in out.splitlines()
+             if line.startswith("mnist_ddp_cpu.py: error:")]
     assert sorted(line.split(" could not connect")[0] for line in lines) == [
         "mnist_ddp_cpu.py: error: rank 0 on host0", "mnist_ddp_cpu.py: error: rank 1 on host1"], results
     assert any("a rank gave a loopback address" in line for line in lines), lines
     assert all(line.endswith("set GLOO_SOCKET_IFNAME on every machine to the interface of the network "
                              "they share") for line in lines), lines
-    assert not any("]: Traceback" in out for _, out, _ in results), results
-    assert max(seconds for _, _, seconds in results) < 60, results
+    assert not any("]: Traceback" in out for _, out in results), results
+    assert seconds < 60, results
