@@ -144,8 +144,7 @@ def run_machines(commands, timeout=600, interleave=True):
     for name, args in commands.items():
         argv = [str(a) for a in args]
         print(f"[{name}] $ python " + " ".join(shlex.quote(a) for a in argv), flush=True)
-        procs[name] = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, text=True, bufsize=1,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs[name] = start(argv, env)
 
     def read(name, proc):
         for line in proc.stdout:

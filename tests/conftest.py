@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers.py, from every tier's folder
-from helpers import DATA_DIR, REPO, RESUME_LINEAR, course_session, load_script, start_preloaded  # noqa: E402
+from helpers import (  # noqa: E402
+    DATA_DIR, EQUALITY_FLAGS, REPO, RESUME_LINEAR, course_session, load_script, start_preloaded)
 
 sys.path.insert(0, str(REPO / "notebooks"))
 import course_helpers  # noqa: E402
@@ -24,10 +25,31 @@ def pytest_sessionstart(session):
     start_preloaded()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker per core, at most 4. A test keeps about one core busy
+    on average (its ranks compute while it waits), so on 2 cores two workers finish the suite in
+    about two thirds of the time; more workers than cores would slow every timed wait.
+    COURSE_WORKERS=N decides instead (0: no workers, the tests in this process, in order)."""
+    chosen = os.environ.get("COURSE_WORKERS")
+    if chosen is not None:
+        return int(chosen)
+    return min(4, len(os.sched_getaffinity(0)))
+
+
 TIERS = ("unit", "e2e", "cluster")
 
 
 def pytest_collection_modifyitems(items):
+    """Mark each test with its tier; and order them for the workers, which take whole files in this
+    order (--dist loadfile): the notebooks (the longest files) first, the unit tier last, so that
+    no worker is left with a long file while the other has finished."""
+    order = {"notebooks": 0, "cluster": 1, "e2e": 2, "unit": 3}
+
+    def place(item):
+        parts = item.path.relative_to(item.config.rootpath).parts
+        return order.get(parts[0], order.get(parts[1] if len(parts) > 1 else "", 2))
+
+    items.sort(key=place)  # stable: within a tier, the files' own order
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.notebook)
@@ -97,25 +119,23 @@ def in_process_rank(monkeypatch):
     torch.set_num_threads(threads)
 
 
-STEPS = 25  # the equality runs' steps: far enough for a wrong average to show, short
-
-
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, data_args):
-    """trained(script, *flags, env=None) -> the state_dict that `script` saves after STEPS steps of
-    the linear model on unshuffled data, nothing random: the runs that compare weights. Each
-    distinct command runs once per session, whichever tests ask for it."""
+    """trained(script, *flags, env=None, fresh=False) -> the state_dict that `script` saves after
+    the steps of helpers.EQUALITY_FLAGS (the linear model, unshuffled data, nothing random): the
+    runs that compare weights. Each distinct command runs once per session (per worker), whichever
+    tests ask for it. fresh: in a new interpreter, its ranks too (helpers.run_script)."""
     import torch
     from helpers import run_script, script_env
 
     folder, cache = tmp_path_factory.mktemp("trained"), {}
 
-    def train(script, *flags, env=None):
-        key = (script, tuple(map(str, flags)), tuple(sorted((env or {}).items())))
+    def train(script, *flags, env=None, fresh=False):
+        key = (script, tuple(map(str, flags)), tuple(sorted((env or {}).items())), fresh)
         if key not in cache:
             path = folder / f"run{len(cache)}.pt"
-            r = run_script(script, "--model", "linear", "--no-shuffle", "--max-steps", STEPS, "--quiet",
-                           "--save", path, *flags, *data_args, env=script_env(**env) if env else None)
+            r = run_script(script, *EQUALITY_FLAGS, "--save", path, *flags, *data_args,
+                           env=script_env(**env) if env else None, fresh=fresh)
             assert r.returncode == 0, r.stderr
             cache[key] = torch.load(path)
         return cache[key]

@@ -97,6 +97,10 @@ def start_preloaded():
         os.environ["COURSE_LAUNCHER"] = PRELOADED.ensure_started()
 
 
+# The runs that compare weights (conftest's `trained`): the linear model, 25 steps on unshuffled
+# data, nothing random: far enough for a wrong average to show, short.
+EQUALITY_FLAGS = ["--model", "linear", "--no-shuffle", "--max-steps", "25", "--quiet"]
+
 # Lesson 5's reference run (the `uninterrupted` fixture) and the runs compared with it.
 RESUME_LINEAR = ["--backend", "gloo", "--device", "cpu", "--model", "linear", "--epochs", 3]
 

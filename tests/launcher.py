@@ -1,13 +1,30 @@
 """A Python with torch already imported, from which the tests' launches are forked.
 
-A script launched by a test pays about 2-3 s before its first line runs: the interpreter, `import
-torch`, and (for a DDP launcher) `torch._dynamo`. The suite launches scripts a few hundred times.
-This server imports them once; each launch is a child forked from it, which then runs the script
-exactly as `python script.py args...` would (`runpy`, `__main__`, `sys.argv`, the environment, the
-working folder, its own session, standard input from /dev/null, output to files) and exits through
-the interpreter's usual exit. What differs from a fresh interpreter: the modules imported here are
-already imported, and the child starts with one thread. Tests about start-up itself, or that need
-a fresh interpreter, launch with `fresh=True` (helpers.run_script).
+A script launched by a test pays about 3 s before its first line runs (the interpreter and `import
+torch`), and a DDP rank 2 s more (DDP's constructor imports `torch._dynamo`). The suite launches
+scripts a few hundred times, and each launch starts two or three ranks. This server imports them
+once; each launch is a child forked from it, which then runs the script exactly as `python script.py
+args...` would (`runpy`, `__main__`, `sys.argv`, the environment, the working folder, its own
+session, standard input from /dev/null, output to files) and exits through the interpreter's usual
+exit. The ranks it starts start from it too, keeping what their launcher promises them:
+
+- **mp.spawn** (the spawn start method): the new process is forked from the launching one, then
+  made what a new interpreter would be: the process object and its arguments pickled in the
+  parent (an argument spawn cannot pickle fails as it would), the main script imported again as
+  `__mp_main__` (its `if __name__ == "__main__":` block not run), signal handlers and torch's
+  random state and thread count as at start-up. Only while the launching process has no thread
+  but its main one and no CUDA (a fork would inherit a half-copied OpenMP pool or CUDA context):
+  otherwise a real spawn. It ends as a forked process does (its atexit functions and flushed
+  output, then os._exit), not through the interpreter's shutdown.
+- **torchrun's ranks** (`python -u script.py ...`, each in a session of its own): forked from a
+  *zygote*, a child of the agent forked before the agent starts any thread, which dies with the
+  agent (so ranks that end with their parent still end with the agent), and which reports each
+  rank's exit code to the agent; the agent signals, polls and waits for its ranks as usual.
+
+What differs from new interpreters: the modules imported here are already imported, and a
+spawned process does not go through the interpreter's shutdown. Tests about start-up itself, about
+the interpreter's shutdown, or that need a new interpreter for another reason, launch with
+`fresh=True` (helpers.run_script); `COURSE_PRELOADED=0` makes every launch do so.
 
 Protocol, over a Unix socket: a request is one JSON line {"argv", "env", "cwd", "out", "err"}; the
 answer is the child's pid. When a child ends, the server writes its exit code (negative: the signal
@@ -38,14 +55,21 @@ def reap(signum, frame):
         os.replace(path + ".part", path)
 
 
-def run(request):
-    """In the forked child: become `python <argv>`, run it, exit as it would."""
+def run(request, stdio=()):
+    """In the forked child: become `python <argv>`, run it, exit as it would. stdio: file
+    descriptors for standard output and error, instead of the request's files."""
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if stdio:
+        for fd, target in zip((1, 2), stdio):
+            os.dup2(target, fd)
+            os.close(target)
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY | os.O_APPEND),
                            (2, request["err"], os.O_WRONLY | os.O_APPEND)):  # out and err may be one file
+        if path is None:  # kept as inherited
+            continue
         target = os.open(path, mode)
         os.dup2(target, fd)
         os.close(target)
@@ -55,7 +79,18 @@ def run(request):
     import multiprocessing.process  # where a spawned child resolves a relative script path from
 
     multiprocessing.process.ORIGINAL_DIR = os.path.abspath(request["cwd"])
-    argv = request["argv"]
+    argv = list(request["argv"])
+    if argv[0] == "-u":  # unbuffered output, as torchrun starts its ranks
+        import io
+
+        argv = argv[1:]
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
+                                                errors=old.errors, write_through=True))
+    if argv[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+        ranks_from_a_zygote()
+    spawn_from_this_python()
     code = 0
     try:
         if argv[0] == "-m":
@@ -84,6 +119,161 @@ def run(request):
     raise SystemExit(code)  # the interpreter's own exit: atexit functions, flushed streams
 
 
+# --------------------------------------------------------------------------- mp.spawn from here
+def native_threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def spawn_from_this_python():
+    """Processes started with the spawn method start from this Python (see the docstring above).
+    multiprocessing looks its spawn Popen up at every start: replaced here."""
+    import multiprocessing.popen_spawn_posix as popen_spawn_posix
+
+    class Popen(popen_spawn_posix.Popen):
+        def _launch(self, process_obj):
+            import io
+            from multiprocessing import context, reduction, resource_tracker, spawn, util
+
+            import torch
+
+            if native_threads() > 1 or torch.cuda.is_initialized():
+                return super()._launch(process_obj)  # a new interpreter: a fork would not be safe
+            resource_tracker.getfd()  # started by the parent, as spawn does
+            data = io.BytesIO()
+            context.set_spawning_popen(self)
+            try:  # what spawn sends its child, pickled here as spawn pickles it
+                reduction.dump(spawn.get_preparation_data(process_obj._name), data)
+                reduction.dump(process_obj, data)
+            finally:
+                context.set_spawning_popen(None)
+            parent_r, child_w = os.pipe()  # the sentinel: readable once the child has ended
+            child_r, parent_w = os.pipe()  # the child's: readable once this parent has ended
+            self.pid = os.fork()
+            if self.pid == 0:
+                code = 1
+                try:
+                    os.close(parent_r)
+                    os.close(parent_w)
+                    code = become_spawned(data.getvalue(), child_r)
+                finally:
+                    import atexit
+
+                    atexit._run_exitfuncs()
+                    for stream in (sys.stdout, sys.stderr):
+                        try:
+                            stream.flush()
+                        except (OSError, ValueError):
+                            pass
+                    os._exit(code)
+            os.close(child_w)
+            os.close(child_r)
+            self.sentinel = parent_r
+            self.finalizer = util.Finalize(self, util.close_fds, (parent_r, parent_w))
+
+    popen_spawn_posix.Popen = Popen
+
+
+def become_spawned(data, parent_sentinel):
+    """In a child forked by spawn_from_this_python(): what spawn's new interpreter does with the
+    pickled preparation and process (multiprocessing.spawn._main), from a state like its own."""
+    import io
+    import types
+    from multiprocessing import process, reduction, spawn
+
+    import torch
+
+    for signum in signal.valid_signals():  # as at start-up; an ignored signal stays ignored (exec)
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+                signal.signal(signum, default)
+        except (OSError, ValueError):
+            pass
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):  # what Python ignores at start-up
+        signal.signal(signum, signal.SIG_IGN)
+    torch.random.set_rng_state(START["rng"])
+    torch.set_num_threads(START["threads"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # from the OS's entropy, as in a new interpreter
+    sys.modules["__main__"] = types.ModuleType("__main__")  # so that spawn imports the script again
+    source = io.BytesIO(data)
+    process.current_process()._inheriting = True
+    try:
+        spawn.prepare(reduction.pickle.load(source))
+        obj = reduction.pickle.load(source)
+    finally:
+        del process.current_process()._inheriting
+    return obj._bootstrap(parent_sentinel)
+
+
+# --------------------------------------------------------------------------- torchrun's ranks
+def ranks_from_a_zygote():
+    """Before torchrun runs here: fork the zygote, and have torchrun's SubprocessHandler ask it for
+    each rank instead of starting a new interpreter (see the docstring above)."""
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    status = tempfile.mkdtemp(prefix="course-zygote-")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    agent = os.getpid()
+    if os.fork() == 0:
+        ours.close()
+        zygote(theirs, status, agent)  # returns only in a rank, which then runs its script
+        return
+    theirs.close()
+    import atexit
+    import shutil
+
+    atexit.register(shutil.rmtree, status, ignore_errors=True)
+
+    def _popen(self, args, env):
+        argv = list(args)
+        if argv[0] != sys.executable:  # another program (--no-python): as torchrun would
+            return original(self, args, env)
+        fds = [f.fileno() for f in (self._stdout, self._stderr) if f is not None]
+        request = {"argv": argv[1:], "env": env, "cwd": os.getcwd(), "out": None, "err": None,
+                   "stdio": len(fds) == 2}
+        socket.send_fds(ours, [json.dumps(request).encode()], fds if len(fds) == 2 else [])
+        pid = int(ours.recv(64))
+        return Launched(pid, os.path.join(status, str(pid)))
+
+    original = subprocess_handler.SubprocessHandler._popen
+    subprocess_handler.SubprocessHandler._popen = _popen
+
+
+def zygote(connection, status, agent):
+    """Fork a rank for each request of the agent; die with the agent."""
+    import ctypes
+
+    global STATUS
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends when the agent does
+    if os.getppid() != agent:
+        os._exit(0)
+    STATUS = status
+    signal.signal(signal.SIGCHLD, reap)
+    while True:
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+        if not message:  # the agent has closed its end: it has ended
+            os._exit(0)
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            connection.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if not request.pop("stdio"):
+                request["out"] = request["err"] = None  # inherited: the agent's own output
+            run(request, stdio=fds)
+        for fd in fds:
+            os.close(fd)
+        connection.send(str(pid).encode())
+
+
+START = {}  # torch's random state and thread count at start-up
+
+
 def main(address, status):
     global STATUS
     STATUS = status
@@ -93,6 +283,7 @@ def main(address, status):
     import torch.multiprocessing  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
+    START.update(rng=torch.random.get_rng_state(), threads=torch.get_num_threads())
     signal.signal(signal.SIGCHLD, reap)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(address)
@@ -175,9 +366,11 @@ class Launched:
     pid, returncode, poll(), wait(), send_signal(), kill(), and stdout, the lines of its output
     file as they come (until it has ended), when output and errors go to one file."""
 
-    def __init__(self, pid, status, out, err):
-        self.pid, self.status, self.out, self.err, self.returncode = pid, status, out, err, None
-        self.stdout = self.lines() if out == err else None
+    def __init__(self, pid, status, out=None, err=None):
+        from pathlib import Path
+
+        self.pid, self.status, self.out, self.err, self.returncode = pid, Path(status), out, err, None
+        self.stdout = self.lines() if out is not None and out == err else None
 
     def poll(self):
         if self.returncode is None and self.status.exists():

@@ -23,8 +23,9 @@ CHECK_LINE = re.compile(r"^(ok|MISMATCH)\s+(\w+)\s+(\([\d, ]*\)).*rank 0 sent\s+
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
                 ids=["2 ranks", "3 ranks"])
 def checked(request):
-    """The check mode with N ranks, run once for the tests below: (N, its result)."""
-    return request.param, run_script(SCRIPT, "--nprocs", request.param, timeout=120)
+    """The check mode with N ranks, run once for the tests below: (N, its result). 3 ranks: in a new
+    interpreter, the ranks started by mp.spawn's real spawn (tests/launcher.py)."""
+    return request.param, run_script(SCRIPT, "--nprocs", request.param, timeout=120, fresh=request.param == 3)
 
 
 def test_ring_equals_all_reduce(checked):

@@ -1,8 +1,8 @@
 """`make lab`: JupyterLab on the repository, opened at notebooks/, with the project's environment as
 the kernel. Started here through the Makefile, headless, on a free port (one server for this
 module); asked for its notebook list and kernels through its REST API, and each lesson opened in
-a browser as a reader opens it: its figures load and its relative links lead to files the server
-serves."""
+a browser as a reader opens it (from the file browser): its figures load and its relative links
+lead to files the server serves."""
 import importlib.util
 import json
 import os
@@ -31,6 +31,7 @@ pytestmark = [
                        reason="make lab uses the project's .venv; this is another Python"),
 ]
 
+CURRENT_TAB = "#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current"  # the main area's tab in front
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 CHROMIUM = shutil.which("chromium")
 # Headless, as root (no sandbox), and nothing fetched from the network but the server's pages.
@@ -153,10 +154,13 @@ def relative(targets):
         urllib.parse.urlsplit(t).path))) for t in targets if is_relative(t))
 
 
-# Once JupyterLab has rendered the Markdown cells, rewritten every relative address in them (an
-# image's src, a link's href: kept as written until then) and the browser has loaded each image;
-# or once it shows a dialog and no notebook (the notebook could not be opened).
+# Once JupyterLab has opened one notebook (the only one open), rendered its Markdown cells,
+# rewritten every relative address in them (an image's src, a link's href: kept as written until
+# then) and the browser has loaded each image; or once it shows a dialog and no notebook (the
+# notebook could not be opened).
 RENDERED = """cells => {
+    if (document.querySelector('.jp-Dialog') && !document.querySelector('.jp-NotebookPanel')) return true;
+    if (document.querySelectorAll('.jp-NotebookPanel').length !== 1) return false;
     const rendered = [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')]
         .filter(node => node.childElementCount > 0);
     const images = [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown img')];
@@ -164,8 +168,7 @@ RENDERED = """cells => {
         .map(a => a.getAttribute('href') || '').concat(images.map(i => i.getAttribute('src') || ''));
     const done = rendered.length >= cells && images.every(i => i.complete)
         && addresses.every(address => address === '' || /^([a-z][a-z0-9+.-]*:|[#/])/i.test(address));
-    const failed = document.querySelector('.jp-Dialog') && !document.querySelector('.jp-NotebookPanel');
-    return done || failed;
+    return done;
 }"""
 # What a reader sees: each image (its src as written and as resolved, its width once loaded), each
 # link (its href as written and as resolved), and a dialog's text when there is no notebook
@@ -175,6 +178,8 @@ SHOWN = """() => ({
     links: [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown a[href]')]
         .map(a => [a.getAttribute('href'), a.href]),
     notebook: document.querySelector('.jp-NotebookPanel') !== null,
+    title: document.querySelector('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel')
+        ?.innerText || '',
     dialog: document.querySelector('.jp-Dialog')?.innerText || '',
 })"""
 
@@ -215,6 +220,8 @@ def check_lesson(lab, name, images, links, shown):
                     reason="playwright is not installed (make setup installs it)")
 @pytest.mark.timeout(150)
 def test_lessons_in_a_browser_show_their_figures_and_links(lab):
+    """JupyterLab opened once, at notebooks/, as `make lab` opens it; each lesson opened from its
+    file browser with a double click, as a reader opens it, checked, and closed."""
     from playwright.sync_api import TimeoutError as PageTimeout
     from playwright.sync_api import sync_playwright
 
@@ -222,25 +229,38 @@ def test_lessons_in_a_browser_show_their_figures_and_links(lab):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
+            page = browser.new_page()
+            page.set_default_timeout(30_000)
+            # ?reset: a fresh workspace, nothing open but the file browser at notebooks/
+            page.goto(f"{lab.url}/lab/tree/notebooks?reset&token={lab.token}")
+            listing = page.locator(".jp-DirListing-content")
             for notebook in LESSONS:
                 cells, images, links = markdown_targets(notebook)
-                # A page per lesson; ?reset: a fresh workspace, with only this notebook open. Its
-                # kernel starts meanwhile (unused); a dialog would not hide the cells' HTML.
-                page = browser.new_page()
-                page.set_default_timeout(30_000)
+                name = re.compile(f"^{re.escape(notebook.name)}$")
+                entry = listing.locator(".jp-DirListing-item").filter(
+                    has=page.locator(".jp-DirListing-itemText", has_text=name))
                 try:
-                    page.goto(f"{lab.url}/lab/tree/notebooks/{notebook.name}?reset&token={lab.token}")
+                    entry.dblclick()
+                    # its kernel starts meanwhile (unused); a dialog would not hide the cells' HTML
                     page.wait_for_function(RENDERED, arg=cells, polling=200)
                     shown = page.evaluate(SHOWN)
                 except PageTimeout:
-                    pytest.fail(f"{notebook.name}: Markdown not rendered, or its images not loaded, in 30 s")
-                finally:
-                    page.close()
+                    pytest.fail(f"{notebook.name}: not opened from the file browser, its Markdown not "
+                                f"rendered, or its images not loaded, in 30 s")
                 assert shown["notebook"], f"{notebook.name} not opened: {shown['dialog']!r}"
+                assert shown["title"] == notebook.name, (shown["title"], notebook.name)
                 problems += check_lesson(lab, notebook.name, images, links, shown)
                 images_seen += len(shown["images"])
                 links_seen += len(relative(links))  # all shown as served, unless a problem says not
-                for session in lab.api("sessions"):  # the kernels started for the lessons so far
+                # Closed without saving: JupyterLab marks a notebook changed once its kernel's
+                # metadata is filled in, and asks; the repository's file stays as it is.
+                page.locator(f"{CURRENT_TAB} .lm-TabBar-tabCloseIcon").click()
+                page.wait_for_function("() => document.querySelector('.jp-NotebookPanel') === null "
+                                       "|| document.querySelector('.jp-Dialog') !== null")
+                if page.locator(".jp-Dialog").count():
+                    page.locator(".jp-Dialog").get_by_role("button", name="Discard").click()
+                page.wait_for_function("() => document.querySelector('.jp-NotebookPanel') === null")
+                for session in lab.api("sessions"):  # the kernel started for this lesson
                     lab.request(f"api/sessions/{session['id']}", method="DELETE")
         finally:
             browser.close()
