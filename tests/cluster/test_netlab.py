@@ -1,6 +1,7 @@
 """tools/netlab.py: two hosts on one machine, each with its own network, address and hostname, joined
 by one link of a set bandwidth, and nothing left behind (root only: skipped otherwise)."""
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -9,7 +10,8 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, SCRIPTS, assert_one_line_error, script_env
+import torch
+from helpers import EQUALITY_FLAGS, REPO, SCRIPTS, assert_one_line_error, max_abs_diff, script_env
 
 sys.path.insert(0, str(REPO / "tools"))
 import netlab  # noqa: E402
@@ -220,16 +222,16 @@ def test_netlab_all_reduce_across_a_capped_link_takes_at_least_its_bytes_over_th
     assert seconds["none"] < seconds[rate] / 3, seconds
 
 
-def torchrun_on_both_hosts(lab, data_args, interfaces, timeout, port):
-    """mnist_ddp_cpu.py under one torchrun per lab host (static rendezvous at host0's address), each
-    host's GLOO_SOCKET_IFNAME as given. As helpers.two_machines: [(exit code, output)] per host,
-    and the seconds until both had ended."""
+def torchrun_on_both_hosts(lab, data_args, interfaces, timeout, port, args=("--max-steps", 1)):
+    """mnist_ddp_cpu.py `args` under one torchrun per lab host (static rendezvous at host0's
+    address), each host's GLOO_SOCKET_IFNAME as given. As helpers.two_machines: [(exit code,
+    output)] per host, and the seconds until both had ended."""
     lab.set_rate("none")
     agents, start = [], time.monotonic()
     for node, (host, ifname) in enumerate(zip(lab.hosts, interfaces)):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", node,
                    "--master-addr", lab.address(lab.hosts[0]), "--master-port", port, "--nproc-per-node", 1,
-                   SCRIPTS / "mnist_ddp_cpu.py", "--max-steps", 1, *data_args, "--timeout", timeout]
+                   SCRIPTS / "mnist_ddp_cpu.py", *args, *data_args, "--timeout", timeout]
         env = script_env(**netlab.course_env({"GLOO_SOCKET_IFNAME": ifname}))
         agents.append(lab.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 cwd=REPO, env=env))
@@ -238,6 +240,22 @@ def torchrun_on_both_hosts(lab, data_args, interfaces, timeout, port):
         output = agent.communicate(timeout=120)[0]
         results.append((agent.returncode, output))
     return results, time.monotonic() - start
+
+
+@pytest.mark.timeout(180)
+def test_netlab_training_across_the_two_hosts_matches_one_process(lab, data_args, trained, tmp_path):
+    """Lesson 2's script, one rank on each host, its all-reduces across the lab's link (each host's
+    GLOO_SOCKET_IFNAME naming it): rank 0 (host0) ends with the weights of one process trained on
+    the same global batch; the control, one process with one rank's batch, ends elsewhere."""
+    weights, metrics = tmp_path / "across.pt", tmp_path / "across.json"
+    results, _ = torchrun_on_both_hosts(lab, data_args, [netlab.IFNAME] * 2, timeout=60, port=29516,
+                                        args=[*EQUALITY_FLAGS, "--batch-size", 32, "--save", weights,
+                                              "--metrics-json", metrics])
+    assert [code for code, _ in results] == [0, 0], results
+    assert json.loads(metrics.read_text())["world_size"] == 2
+    across = torch.load(weights)
+    assert max_abs_diff(across, trained("mnist_single.py", "--batch-size", 64)) < 1e-5
+    assert max_abs_diff(across, trained("mnist_single.py", "--batch-size", 32)) > 1e-3
 
 
 @pytest.mark.timeout(150)
