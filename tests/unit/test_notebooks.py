@@ -272,7 +272,7 @@ def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
     assert r.returncode == 1 and "run `make notebooks`" in r.stderr
 
 
-LAB_COMMANDS = r"tools/(netlab|slurm_lab)\.py"  # the network lab and its Slurm cluster: commands a reader runs
+LAB_COMMANDS = r"tools/(netlab|slurm_lab)\.py"  # the network lab and its Slurm cluster, run as commands
 
 
 def test_the_notebooks_need_nothing_from_the_maintainers_tools():
