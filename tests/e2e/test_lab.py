@@ -86,27 +86,42 @@ def lab(tmp_path_factory):
         "display_name": "another Python", "language": "python"}))
     env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_DATA_DIR": str(tmp_path / "data"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
-    server = subprocess.Popen(["make", "-s", "lab", f"LAB_PORT={port}", f"LAB_FLAGS={flags}"], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                              start_new_session=True)
-    lab = Lab(port, token)
-    try:
+    log = tmp_path / "lab.log"
+    # The port is free when chosen, but the suite's other worker opens connections all the time, and
+    # one may take it before the server binds it. Jupyter would then quietly serve on the next port
+    # (port_retries): with none allowed it exits instead, and the fixture tries a new port.
+    for attempt in range(3):
+        port = port if attempt == 0 else free_port()
+        with open(log, "w") as err:
+            server = subprocess.Popen(["make", "-s", "lab", f"LAB_PORT={port}",
+                                       f"LAB_FLAGS={flags} --ServerApp.port_retries=0"], cwd=REPO,
+                                      stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+        lab = Lab(port, token)
         deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stderr.read()
+        while server.poll() is None:
             try:
                 lab.request("api/status")
                 break
             except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not answer within 120 s"
+                if time.monotonic() > deadline:
+                    stop_server(server)
+                    raise AssertionError(f"JupyterLab did not answer in 120 s:\n{log.read_text()[-2000:]}")
                 time.sleep(1)
+        if server.poll() is None:
+            break
+        assert "already in use" in log.read_text() and attempt < 2, log.read_text()[-2000:]
+    try:
         yield lab
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
+
+
+def stop_server(server):
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(180)
