@@ -4,6 +4,7 @@ the notebooks run as tests too (nbmake), marked `slow` with the cluster tier and
 tests. `pytest` runs everything; `make test-quick` leaves out what is marked `slow`."""
 import os
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "cluster":
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def fresh_urllib_opener():
+    """urllib.request.urlopen builds one opener on its first call in a process, with the proxies of
+    that moment, and keeps it: a test that sets OFFLINE's proxies (monkeypatch.setenv) and reaches a
+    download would send every later request in this worker to 127.0.0.1:9. Forgotten after each test."""
+    yield
+    urllib.request.install_opener(None)
 
 
 @pytest.fixture(scope="session")

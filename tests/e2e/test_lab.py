@@ -36,7 +36,8 @@ LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 CHROMIUM = shutil.which("chromium")
 # Headless, as root (no sandbox), and nothing fetched from the network but the server's pages.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+                  "--no-proxy-server", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync"]
 # Targets of inline Markdown links and images, [text](target) and ![alt](target), and of HTML's
 # <a href=...> and <img src=...>
 TARGET = re.compile(r"\]\(\s*<?([^)\s>]+)")
@@ -52,6 +53,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+# The server is on this machine: asked directly, never through a proxy. urllib.request.urlopen would
+# use the opener it built on its first call anywhere in this process, with the proxies of that moment
+# (a test that sets OFFLINE's proxies and reaches a download leaves every later request going to
+# 127.0.0.1:9, refused).
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class Lab:
     def __init__(self, port, token):
         self.url, self.token = f"http://127.0.0.1:{port}", token
@@ -61,7 +69,7 @@ class Lab:
         sep = "&" if "?" in path else "?"
         req = urllib.request.Request(f"{self.url}/{path}{sep}token={self.token}", method=method)
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with DIRECT.open(req, timeout=10) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, b""
