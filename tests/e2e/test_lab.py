@@ -53,10 +53,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-# The server is on this machine: asked directly, never through a proxy. urllib.request.urlopen would
-# use the opener it built on its first call anywhere in this process, with the proxies of that moment
-# (a test that sets OFFLINE's proxies and reaches a download leaves every later request going to
-# 127.0.0.1:9, refused).
+# The server is on this machine: asked directly, never through a proxy the environment names (a
+# user's, or OFFLINE's: see conftest's fresh_urllib_opener).
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
