@@ -871,13 +871,19 @@ def run_main(argv=None):
 
         lost = re.search(r"Connection (?:closed|reset) by peer[^.]*|Broken pipe", str(err))
         unreachable = re.search(r"connectFullMesh failed with (?:\[[^]]*\] )?([^$\n]*)", str(err))
-        if not (lost or unreachable) or "RANK" not in os.environ:  # a bug: its traceback, reported
-            raise                                                   # by mp.spawn's launcher
+        # Silence, not a closed connection: a machine whose network or power went, or a stuck rank.
+        silent = re.search(r"Timed out waiting \d+ms for \w+ operation to complete", str(err))
+        if not (lost or unreachable or silent) or "RANK" not in os.environ:  # a bug: its traceback,
+            raise                                                   # reported by mp.spawn's launcher
         if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # one line per machine
             exit_after_the_speaker()
         if lost:
             say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
                 f"machine of this job has gone; the first error in each machine's output says which")
+        elif silent:
+            say(f"rank {rank} on {socket.gethostname()} heard nothing from another rank for --timeout "
+                f"({silent[0]}): a machine of this job is off the network or down, or a rank is stuck "
+                f"(lesson 8's watchdog shows where); raise --timeout if one step can take longer")
         else:  # Gloo's ranks did not reach each other
             loopback = "remote=[127." in str(err)
             say(f"rank {rank} on {socket.gethostname()} could not connect to the other ranks "

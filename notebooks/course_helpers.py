@@ -130,11 +130,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_machines(commands, timeout=600, interleave=True):
+def run_machines(commands, timeout=600, interleave=True, on_line=None):
     """Start one `python <args>` per entry of `commands` (a dict: a machine's name -> its args) at
     once, as if each ran on a machine of its own, and print their lines as they come, each tagged
     with its machine (interleave=False: each machine's lines in one block, once all have ended).
-    Waits for all (at most `timeout` seconds); returns {name: exit code}."""
+    on_line(line), if given, is called with each tagged line as it comes (to act on what a machine
+    says). Waits for all (at most `timeout` seconds); returns {name: exit code}."""
     import queue
     import threading
     import time
@@ -166,6 +167,8 @@ def run_machines(commands, timeout=600, interleave=True):
                 print(line, end="", flush=True)
             else:
                 held.append(line)
+            if on_line is not None:
+                on_line(line)
     except (KeyboardInterrupt, TimeoutError):
         for proc in procs.values():
             stop(proc)

@@ -228,6 +228,7 @@ class Lab:
         self.prefixlen = network.prefixlen
         self.addresses = {h: str(network.network_address + 1 + i) for i, h in enumerate(hosts)}
         self._procs = []
+        self._next_port = 29400
 
     @classmethod
     def existing(cls, prefix=DEFAULT_PREFIX):
@@ -308,6 +309,23 @@ class Lab:
                 _sh("tc", "-n", namespace, "qdisc", "add", "dev", IFNAME, "root", "tbf",
                     "rate", f"{bits}bit", "burst", burst, "latency", "100ms")
         self.rate = bits
+
+    def link(self, host, state):
+        """Take a host's end of the link "down" (the host is cut off, as when its cable, switch or
+        power goes: no connection is closed, its packets just stop) or bring it back "up"."""
+        if host not in self.hosts:
+            raise LabError(f"netlab: no host {host!r} in lab {self.prefix!r} "
+                           f"(hosts: {', '.join(self.hosts)})")
+        if state not in ("up", "down"):
+            raise LabError(f"netlab: link state {state!r}: say up or down")
+        _sh("ip", "-n", self.namespace(host), "link", "set", IFNAME, state)
+
+    def port(self):
+        """A port for the next job's rendezvous in the lab. The hosts have a port space of their own,
+        used by nothing but what runs in the lab (a free port of this machine's says nothing about
+        it); each call gives a new one, clear of an earlier job's sockets still closing."""
+        self._next_port += 1
+        return self._next_port
 
     def current_rate(self, host=None):
         """The rate tc reports on a host's end of the link (e.g. '100Mbit'), or 'none'."""
@@ -394,6 +412,10 @@ def main(argv=None):
     commands.add_parser("status", parents=[prefix], help="the hosts, addresses, rate and processes")
     set_rate = commands.add_parser("set-rate", parents=[prefix], help="change the link's bandwidth")
     set_rate.add_argument("rate")
+    link = commands.add_parser("link", parents=[prefix],
+                               help="cut a host off (link HOST down) or bring it back (link HOST up)")
+    link.add_argument("host")
+    link.add_argument("state", choices=("up", "down"))
     run = commands.add_parser("run", parents=[prefix], help="run a command in a host: run HOST -- CMD ...")
     run.add_argument("host")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -420,6 +442,9 @@ def main(argv=None):
             lab = Lab.existing(args.prefix)
             lab.set_rate(args.rate)
             print(f"lab {lab.prefix}: rate {lab.current_rate()}")
+        elif args.action == "link":
+            Lab.existing(args.prefix).link(args.host, args.state)
+            print(f"lab {args.prefix}: {args.host}'s link {args.state}")
         elif args.action == "run":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:

@@ -80,6 +80,15 @@ def test_netlab_rates_read_as_tc_reads_them():
         netlab.parse_rate("fast")
 
 
+@pytest.mark.timeout(10)
+def test_netlab_link_refuses_a_host_or_state_it_does_not_know():
+    lab = netlab.Lab(prefix="ddptest-link")  # not made: the refusals come before any ip command
+    with pytest.raises(netlab.LabError, match="no host 'host9'.*hosts: host0, host1"):
+        lab.link("host9", "down")
+    with pytest.raises(netlab.LabError, match="say up or down"):
+        lab.link("host1", "off")
+
+
 @pytest.mark.timeout(30)
 def test_netlab_without_root_says_what_is_needed(capsys):
     """One line on stderr naming what is needed, and a non-zero exit (as root: run as nobody)."""
@@ -289,3 +298,52 @@ def test_netlab_a_loopback_interface_is_reported_on_each_host_in_one_line(lab, d
                              "they share") for line in lines), lines
     assert not any("]: Traceback" in out for _, out in results), results
     assert seconds < 60, results
+
+
+@pytest.mark.timeout(150)
+def test_netlab_a_host_cut_off_mid_training_ends_both_in_one_line_each_within_the_timeout(lab, data_args):
+    """Mid-training, host1's end of the link goes down (its network, or its power, gone): no
+    connection is closed, so nothing says "reset by peer"; each rank waits in its all-reduce for
+    --timeout, then Gloo's "Timed out waiting ... for recv". Each host ends in one line naming it,
+    no rank's traceback, within --timeout of the cut (with seconds for the agents to end)."""
+    lab.set_rate("none")
+    timeout, agents, ends = 5, [], []
+    for node, host in enumerate(lab.hosts):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", node,
+                   "--master-addr", lab.address(lab.hosts[0]), "--master-port", 29518, "--nproc-per-node", 1,
+                   SCRIPTS / "mnist_ddp_cpu.py", "--model", "linear", "--epochs", 1000, *data_args,
+                   "--timeout", timeout]
+        env = script_env(**netlab.course_env({"GLOO_SOCKET_IFNAME": netlab.IFNAME}))
+        agents.append(lab.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=REPO, env=env))
+    try:
+        before = []
+        for line in agents[0].stdout:  # rank 0 says "training ..." once the group has met
+            before.append(line)
+            if line.startswith("training "):
+                break
+        assert agents[0].poll() is None, "".join(before)
+        time.sleep(1)  # some steps across the link
+        cut = time.monotonic()
+        lab.link("host1", "down")
+        for agent in agents:
+            output = agent.communicate(timeout=90)[0]
+            ends.append((agent.returncode, output, time.monotonic() - cut))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        lab.link("host1", "up")
+    results = [(code, out) for code, out, _ in ends]
+    assert all(code != 0 for code, _ in results), results
+    lines = [line for _, out in results for line in out.splitlines()
+             if line.startswith("mnist_ddp_cpu.py: error:")]
+    assert sorted(line.split(" heard nothing")[0] for line in lines) == [
+        "mnist_ddp_cpu.py: error: rank 0 on host0", "mnist_ddp_cpu.py: error: rank 1 on host1"], results
+    assert all(f"Timed out waiting {timeout * 1000}ms" in line and "off the network or down" in line
+               for line in lines), lines
+    assert not any("]: Traceback" in out for _, out in results), results
+    assert max(seconds for *_, seconds in ends) < timeout + 20, [seconds for *_, seconds in ends]
+    # the link is back for the tests after this one
+    assert lab.transfer("host0", "host1", 10_000) >= 0
