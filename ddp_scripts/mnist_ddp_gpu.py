@@ -881,7 +881,7 @@ def run_main(argv=None):
             say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
                 f"machine of this job has gone; the first error in each machine's output says which")
         elif silent:
-            say(f"rank {rank} on {socket.gethostname()} heard nothing from another rank for --timeout "
+            say(f"rank {rank} on {socket.gethostname()} heard nothing from another rank within the timeout "
                 f"({silent[0]}): a machine of this job is off the network or down, or a rank is stuck "
                 f"(lesson 8's watchdog shows where); raise --timeout if one step can take longer")
         else:  # Gloo's ranks did not reach each other

@@ -19,7 +19,8 @@ BENCHMARKS = [  # (name, script, what it measures)
     ("trace", "draw_overlap_trace.py", "lesson 9: one step of rank 0 in a profiler trace, by hand and DDP"),
     ("gcn", "bench_gcn.py", "lesson 4: the GCN, 1 rank against 2"),
     ("fsdp", "bench_fsdp.py", "sharding: memory per rank and time per step, ZeRO and FSDP against DDP"),
-    ("netlab", "bench_netlab.py", "lessons 6 and 9 across two lab hosts at several link speeds (root only)"),
+    ("netlab", "bench_netlab.py",
+     "lessons 6, 9 and 10 across two lab hosts at several link speeds (root only)"),
 ]
 SKIPPED = 77  # a benchmark's exit code when this machine cannot run it (it says why)
 

@@ -1,4 +1,4 @@
-"""Benchmark for lessons 6 and 9 across the network lab (root only): two hosts, each a network
+"""Benchmark for lessons 6, 9 and 10 across the network lab (root only): two hosts, each a network
 namespace with its own address and hostname, joined by one link capped at a set bandwidth
 (tools/netlab.py), so that communication costs what it costs between two machines, which loopback
 never shows.
@@ -11,12 +11,17 @@ At each rate of the link (uncapped, then 10 Gbit/s, 1 Gbit/s, 100 Mbit/s by defa
 2. **2-rank training** of lesson 6's MLP (23 MB of gradients per step), one torchrun per host
    running ddp_scripts/mnist_ddp_comm.py unchanged, one rank each: plain DDP (default buckets), one
    bucket of 100 MB (nothing overlaps with backward), 1 MB buckets, gradient accumulation over 4
-   micro-batches, and the fp16 and bf16 compression hooks; the same number of micro-batches each.
-Every configuration runs once per rate, the rates in turn; images/s are reported as ratios to
-plain DDP at the same rate, side by side. Writes build/bench/netlab.json and
-figures/netlab_allreduce.png, figures/netlab_training.png.
+   micro-batches, and the fp16 and bf16 compression hooks; the same number of micro-batches each;
+3. **sharding** (lesson 10), at the rates of --shard-rates: ddp_scripts/mnist_fsdp.py on the same
+   MLP with AdamW, --shard ddp, zero and fsdp (FSDP moves about 1.5x DDP's bytes: an all-gather of
+   the parameters in forward and in backward, a reduce-scatter of the gradients).
+At each rate the configurations of 2 and 3 run in --runs rounds, each round every configuration
+once, in turn (so that a slow moment of the machine falls on all of them); a configuration's
+images/s is the median of its runs, reported as a ratio to plain DDP at the same rate, with the
+spread of its runs. Writes build/bench/netlab.json and figures/netlab_allreduce.png,
+figures/netlab_training.png.
 
-    sudo .venv/bin/python tools/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--micro-batches 12]
+    sudo .venv/bin/python tools/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--runs 3]
     python tools/bench_netlab.py --draw build/bench/netlab.json      # the figures again, from a run
 
 Needs root (network namespaces, tc); without it, one line saying so and exit code 77 (make bench
@@ -25,6 +30,7 @@ counts it as skipped).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,19 +71,13 @@ TRAINING = [
     ("fp16 hook", ["--comm-hook", "fp16"], 1),
     ("bf16 hook", ["--comm-hook", "bf16"], 1),
 ]
+# (name, --shard of mnist_fsdp.py)
+SHARDING = [("DDP", "ddp"), ("ZeRO", "zero"), ("FSDP", "fsdp")]
 
 
 def python():
     venv = REPO / ".venv" / "bin" / "python"
     return str(venv) if venv.exists() else sys.executable
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def both_hosts(lab, commands, timeout):
@@ -103,7 +103,7 @@ def both_hosts(lab, commands, timeout):
 
 def measure_all_reduce(lab, max_mb, repeats):
     script = REPO / "ddp_scripts" / "allreduce_by_hand.py"
-    master, port = lab.address(lab.hosts[0]), free_port()
+    master, port = lab.address(lab.hosts[0]), lab.port()
     results = both_hosts(lab, [[python(), "-c", ALL_REDUCE, rank, master, port, max_mb, repeats, script]
                                for rank in (0, 1)], timeout=900)
     for code, out in results:
@@ -129,23 +129,23 @@ def fit(rows, key):
     return {"alpha_s": alpha, "beta_bytes_per_s": 1 / seconds_per_byte if seconds_per_byte > 0 else None}
 
 
-def train(lab, flags, micro_batches, accum, data_dir, timeout):
-    """lesson 6's script across the two hosts, one rank each: its metrics (rank 0's)."""
-    master, port = lab.address(lab.hosts[0]), free_port()
+def train(lab, script, flags, steps, data_dir, timeout):
+    """A course script (lesson 6's, or lesson 10's) across the two hosts, one rank each, on the MLP:
+    its metrics (rank 0's)."""
+    master, port = lab.address(lab.hosts[0]), lab.port()
     metrics = Path(tempfile.mkdtemp(prefix="bench-netlab-")) / "m.json"
     common = ["--model", "mlp", "--device", "cpu", "--backend", "gloo", "--threads-per-proc", "1",
-              "--max-steps", str(micro_batches // accum), "--data-dir", str(data_dir), "--quiet",
-              "--timeout", "300", *flags]
+              "--max-steps", str(steps), "--data-dir", str(data_dir), "--quiet", "--timeout", "300", *flags]
     commands = []
     for node in (0, 1):
         torchrun = [python(), "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                     "--master-addr", master, "--master-port", str(port), "--nproc-per-node", "1"]
-        script = [str(REPO / "ddp_scripts" / "mnist_ddp_comm.py"), *common]
-        commands.append(torchrun + script + (["--metrics-json", str(metrics)] if node == 0 else []))
+        argv = [str(REPO / "ddp_scripts" / script), *common]
+        commands.append(torchrun + argv + (["--metrics-json", str(metrics)] if node == 0 else []))
     results = both_hosts(lab, commands, timeout)
     for code, out in results:
         if code != 0:
-            raise RuntimeError(f"training across the lab failed ({' '.join(flags) or 'plain DDP'}):\n{out}")
+            raise RuntimeError(f"training across the lab failed ({script} {' '.join(flags)}):\n{out}")
     result = json.loads(metrics.read_text())
     metrics.unlink()
     metrics.parent.rmdir()
@@ -160,9 +160,38 @@ def machine():
     return f"{cpu_name()}, {cores()} cores, torch {torch.__version__}"
 
 
-def speed(rate, name):
-    """images/s of training configuration `name` at one rate of a run."""
-    return rate["training"][name]["images_per_second"]
+def speed(rate, name, part="training"):
+    """images/s of a configuration at one rate of a run (the median of its runs)."""
+    return rate[part][name]["images_per_second"]
+
+
+def ratios(rate, name, part="training"):
+    """(median, lowest, highest) of a configuration's images/s relative to the first configuration
+    of its part (plain DDP) at the same rate: each run against that median."""
+    names = [n for n, *_ in (TRAINING if part == "training" else SHARDING)]
+    base = speed(rate, names[0], part)
+    runs = rate[part][name].get("runs") or [rate[part][name]]  # a run before --runs: one each
+    values = [r["images_per_second"] / base for r in runs]
+    return speed(rate, name, part) / base, min(values), max(values)
+
+
+def bars(ax, rates, names, part):
+    """Grouped bars of ratios to plain DDP, one group per rate, lines from the lowest to the highest run."""
+    import matplotlib.pyplot as plt
+
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        values = [ratios(rate, name, part) for rate in rates]
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(rates))]
+        ax.bar(xs, [v[0] for v in values], width, label=name, color=plt.cm.tab10(j),
+               yerr=[[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]],
+               error_kw={"lw": 0.8, "capsize": 2, "ecolor": "0.2"})
+    ax.axhline(1, color="0.3", lw=0.8)
+    ax.set_xticks(range(len(rates)))
+    ax.set_xticklabels([f"{rate['label']}\n(DDP: {speed(rate, names[0], part):,.0f} img/s)"
+                        for rate in rates], fontsize=8)
+    ax.set_ylabel("images/s relative to plain DDP at that rate")
+    ax.legend(fontsize=7.5)
 
 
 def draw(data, out_dir=REPO / "figures"):
@@ -206,26 +235,31 @@ def draw(data, out_dir=REPO / "figures"):
     fig.savefig(first, dpi=120)
     plt.close(fig)
 
-    names = [name for name, _, _ in TRAINING]
+    runs = data.get("runs", 1)
+    spread = f"median of {runs} runs, lines: lowest to highest run" if runs > 1 else "one run each"
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        ratios = [speed(rate, name) / speed(rate, names[0]) for rate in rates]
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(rates))]
-        ax.bar(xs, ratios, width, label=name, color=plt.cm.tab10(j))
-    ax.axhline(1, color="0.3", lw=0.8)
-    ax.set_xticks(range(len(rates)))
-    ax.set_xticklabels([f"{rate['label']}\n(DDP: {speed(rate, names[0]):,.0f} img/s)" for rate in rates],
-                       fontsize=8)
-    ax.set_ylabel("images/s relative to plain DDP at that rate")
-    ax.set_title("Lesson 6's MLP (23 MB of gradients) on 2 ranks, one per lab host", fontsize=9)
-    ax.legend(fontsize=7.5)
+    bars(ax, rates, [name for name, *_ in TRAINING], "training")
+    ax.set_title(f"Lesson 6's MLP (23 MB of gradients) on 2 ranks, one per lab host\n({spread})", fontsize=9)
     fig.text(0.01, 0.005, f"{data['machine']}, {data['date'][:10]}", fontsize=7, color="0.4")
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     second = out_dir / "netlab_training.png"
     fig.savefig(second, dpi=120)
     plt.close(fig)
-    return first, second
+    figures = [first, second]
+
+    sharded = [rate for rate in rates if rate.get("sharding")]
+    if sharded:
+        fig, ax = plt.subplots(figsize=(6, 4.0))
+        bars(ax, sharded, [name for name, _ in SHARDING], "sharding")
+        ax.set_title(f"Lesson 10: mnist_fsdp.py, the MLP + AdamW, 2 ranks, one per lab host\n({spread})",
+                     fontsize=9)
+        fig.text(0.01, 0.005, f"{data['machine']}, {data['date'][:10]}", fontsize=7, color="0.4")
+        fig.tight_layout(rect=(0, 0.02, 1, 1))
+        third = out_dir / "netlab_sharding.png"
+        fig.savefig(third, dpi=120)
+        plt.close(fig)
+        figures.append(third)
+    return figures
 
 
 def report(data):
@@ -241,15 +275,20 @@ def report(data):
 
         print(f"{rate['label']:>10} {fits['torch']['alpha_s'] * 1e6:8.0f} us {gbit(fits['torch']):>12} "
               f"{gbit(fits['ring']):>12}")
-    print("\nimages/s relative to plain DDP at the same rate (plain DDP's images/s in brackets)")
-    print(f"{'':32}" + "".join(f"{rate['label']:>14}" for rate in data["rates"]))
-    for name in names:
-        cells = []
-        for rate in data["rates"]:
-            value = rate["training"][name]["images_per_second"]
-            base = rate["training"][names[0]]["images_per_second"]
-            cells.append(f"({value:,.0f})" if name == names[0] else f"{value / base:.2f}x")
-        print(f"{name:32}" + "".join(f"{c:>14}" for c in cells))
+    print(f"\nimages/s relative to plain DDP at the same rate, median of {data.get('runs', 1)} run(s) and "
+          "the lowest to the highest run (plain DDP's images/s in brackets)")
+    for part, names in (("training", names), ("sharding", [name for name, _ in SHARDING])):
+        rates = [rate for rate in data["rates"] if rate.get(part)]
+        if not rates:
+            continue
+        print(f"{part:32}" + "".join(f"{rate['label']:>22}" for rate in rates))
+        for name in names:
+            cells = []
+            for rate in rates:
+                value, low, high = ratios(rate, name, part)
+                cells.append(f"({speed(rate, name, part):,.0f})" if name == names[0]
+                             else f"{value:.2f}x ({low:.2f}-{high:.2f})")
+            print(f"{name:32}" + "".join(f"{c:>22}" for c in cells))
 
 
 def main():
@@ -257,6 +296,9 @@ def main():
     p.add_argument("--rates", default="none,10gbit,1gbit,100mbit",
                    help="the link's bandwidths, in turn (tc's units; none: uncapped)")
     p.add_argument("--micro-batches", type=int, default=12, help="per training run (of 64 images per rank)")
+    p.add_argument("--runs", type=int, default=3, help="runs of each training configuration per rate")
+    p.add_argument("--shard-rates", default="none,1gbit",
+                   help="the rates at which mnist_fsdp.py's ddp, zero and fsdp also run ('': none)")
     p.add_argument("--max-mb", type=float, default=16, help="the largest all-reduce, MiB")
     p.add_argument("--repeats", type=int, default=3, help="all-reduces per size (the median is kept)")
     p.add_argument("--data-dir", default=str(REPO / "data"))
@@ -277,12 +319,16 @@ def main():
         sys.exit(77)
     try:
         rates = [netlab.format_rate(netlab.parse_rate(r)) for r in args.rates.split(",")]
+        shard_rates = [netlab.format_rate(netlab.parse_rate(r)) for r in args.shard_rates.split(",") if r]
     except netlab.LabError as err:
         sys.exit(f"bench_netlab: error: {err}")
+    if args.runs < 1:
+        sys.exit("bench_netlab: error: --runs must be at least 1")
     data = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "link": "a veth pair between two network namespaces, capped by tc tbf on both ends",
-            "statistic": "all-reduce: median of --repeats, the slower rank's; training: one run each",
-            "micro_batches": args.micro_batches, "rates": []}
+            "statistic": (f"all-reduce: median of --repeats ({args.repeats}), the slower rank's; "
+                          f"training and sharding: median images/s of {args.runs} runs, in rounds"),
+            "micro_batches": args.micro_batches, "runs": args.runs, "rates": []}
     with netlab.Lab(prefix=PREFIX) as lab:
         for number, rate in enumerate(rates, 1):
             lab.set_rate(rate)
@@ -291,15 +337,26 @@ def main():
             where = f"[{number}/{len(rates)}] link {label}"
             print(f"{where}: the all-reduce, 4 B to {args.max_mb:g} MiB", flush=True)
             entry = {"rate": rate, "label": label,
-                     "all_reduce": measure_all_reduce(lab, args.max_mb, args.repeats), "training": {}}
-            for name, flags, accum in TRAINING:
-                print(f"{where}: training, {name}", flush=True)
-                metrics = train(lab, flags, args.micro_batches, accum, args.data_dir, timeout=900)
-                epoch = metrics["epochs"][-1]
-                entry["training"][name] = {
-                    "flags": flags, "images_per_second": epoch["images_per_second"],
-                    "seconds": epoch["seconds"], "allreduce_ms": metrics["allreduce_ms"],
-                    "gradient_mb": metrics["gradient_mb"]}
+                     "all_reduce": measure_all_reduce(lab, args.max_mb, args.repeats)}
+            configs = [("training", name, "mnist_ddp_comm.py", flags, args.micro_batches // accum)
+                       for name, flags, accum in TRAINING]
+            if rate in shard_rates:
+                configs += [("sharding", name, "mnist_fsdp.py", ["--shard", shard], args.micro_batches)
+                            for name, shard in SHARDING]
+            entry.update({part: {} for part, *_ in configs})
+            for round_ in range(1, args.runs + 1):
+                for part, name, script, flags, steps in configs:
+                    print(f"{where}, round {round_}/{args.runs}: {part}, {name}", flush=True)
+                    metrics = train(lab, script, flags, steps, args.data_dir, timeout=900)
+                    epoch = metrics["epochs"][-1]
+                    run = {"images_per_second": epoch["images_per_second"], "seconds": epoch["seconds"]}
+                    for key in ("allreduce_ms", "gradient_mb", "state_mib_per_rank", "peak_mib_per_rank"):
+                        if key in metrics:
+                            run[key] = metrics[key]
+                    result = entry[part].setdefault(name, {"flags": flags, "runs": []})
+                    result["runs"].append(run)
+                    result["images_per_second"] = statistics.median(
+                        r["images_per_second"] for r in result["runs"])
             data["rates"].append(entry)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1))
