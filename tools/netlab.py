@@ -310,12 +310,16 @@ class Lab:
                     "rate", f"{bits}bit", "burst", burst, "latency", "100ms")
         self.rate = bits
 
-    def link(self, host, state):
-        """Take a host's end of the link "down" (the host is cut off, as when its cable, switch or
-        power goes: no connection is closed, its packets just stop) or bring it back "up"."""
+    def check_host(self, host):
+        """LabError unless host is one of the lab's hosts."""
         if host not in self.hosts:
             raise LabError(f"netlab: no host {host!r} in lab {self.prefix!r} "
                            f"(hosts: {', '.join(self.hosts)})")
+
+    def link(self, host, state):
+        """Take a host's end of the link "down" (the host is cut off, as when its cable, switch or
+        power goes: no connection is closed, its packets just stop) or bring it back "up"."""
+        self.check_host(host)
         if state not in ("up", "down"):
             raise LabError(f"netlab: link state {state!r}: say up or down")
         _sh("ip", "-n", self.namespace(host), "link", "set", IFNAME, state)
@@ -340,9 +344,7 @@ class Lab:
     def command(self, host, argv):
         """The command line that runs argv (a list, or a string for sh -c) in the host: in its network
         namespace and a new UTS namespace whose hostname is the host's name."""
-        if host not in self.hosts:
-            raise LabError(f"netlab: no host {host!r} in lab {self.prefix!r} "
-                           f"(hosts: {', '.join(self.hosts)})")
+        self.check_host(host)
         if isinstance(argv, (str, bytes)):
             argv = ["sh", "-c", argv]
         return ["ip", "netns", "exec", self.namespace(host), "unshare", "--uts", "--",
