@@ -14,7 +14,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "kaggle" / "ddp_t4x2.ipynb"
 SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
-           "mnist_ddp_comm.py", "gcn_ddp.py"]
+           "mnist_ddp_comm.py", "mnist_fsdp.py", "gcn_ddp.py"]
 
 INTRO = """\
 # PyTorch DDP on Kaggle's two T4 GPUs
@@ -22,19 +22,21 @@ INTRO = """\
 Lessons 2 to 6 of the course on Kaggle's **GPU T4 x2** accelerator: DDP on CPU with Gloo, then
 on one and two GPUs with NCCL, timed side by side; a job that loses a GPU's rank halfway and
 resumes from its snapshot (lesson 5); what the gradient all-reduce costs between two GPUs on PCIe,
-and gradient accumulation and fp16 compression against it (lesson 6); then a GCN on OGB's
+and gradient accumulation and fp16 compression against it (lesson 6); what each GPU holds when the
+training state is sharded, ZeRO and FSDP against DDP (lesson 10); then a GCN on OGB's
 ogbn-products graph (2.4 million nodes) with PyG's `NeighborLoader` (lesson 4, last because it
 takes longest).
 
 Before running: in the notebook's settings (right-hand panel), choose **Accelerator: GPU T4 x2**
 and switch **Internet on** (MNIST and ogbn-products, 1.4 GB, are downloaded once). Then *Run all*:
-about five minutes for lessons 2 and 3, two each for lessons 5 and 6, then 15 to 25 for lesson 4 (download,
+about five minutes for lessons 2 and 3, two each for lessons 5 and 6, three short runs of 20 steps
+for lesson 10, then 15 to 25 for lesson 4 (download,
 processing, and the install of PyG's sampler if no prebuilt wheel matches the image's torch).
 
 **Where this has run.** The scripts are the course's own, tested on CPUs (every lesson) and on a
 machine with one GPU (lessons 3, 4 and 6; lesson 5 only before it gained `--deterministic`, which
-its cells here use). Two GPUs, and this notebook as a whole, have not been run yet, on Kaggle or
-elsewhere: if you run it, please report what you see.
+its cells here use; lesson 10 on CPUs only). Two GPUs, and this notebook as a whole,
+have not been run yet, on Kaggle or elsewhere: if you run it, please report what you see.
 
 The data goes to `/tmp`, not to `/kaggle/working`: Kaggle keeps everything under
 `/kaggle/working` as the notebook's output, and ogbn-products alone takes several GB there."""
@@ -200,6 +202,43 @@ Markdown("| run | MB per all-reduce | one all-reduce alone, ms | images/s (epoch
            "speed up one GPU too. The hook halves the bytes at the cost of rounding the averaged "
            "gradients to fp16.")'''.strip()
 
+LESSON10 = """\
+## Lesson 10: what each GPU holds under DDP, ZeRO and FSDP
+
+`mnist_fsdp.py` is lesson 3's script with AdamW and `--shard`: `ddp` keeps the whole training state
+on each GPU (weights, gradients, AdamW's two running averages: 16 bytes a parameter), `zero` splits
+the optimizer's state across the ranks (`ZeroRedundancyOptimizer`), `fsdp` splits all of it
+(`fully_shard` on each layer, then on the model; each layer's weights are gathered only while it
+computes). Three short runs of lesson 6's MLP (5.8 million parameters) on the two GPUs, 20 steps in
+the same unshuffled order: `state_mib_per_rank` counts the tensors each rank holds after a step,
+from their local shards; the peak is CUDA's `max_memory_allocated`, which adds the activations and
+the gathered layers. Each run saves the plain, gathered model, so that the table can also say how
+far ZeRO's and FSDP's weights ended from DDP's."""
+
+SHARD_RUNS = r'''
+shards = {}
+for shard in ("ddp", "zero", "fsdp"):
+    run("mnist_fsdp.py", "--nprocs", 2, "--shard", shard, "--max-steps", 20, "--no-shuffle", "--quiet",
+        "--data-dir", DATA, "--save", f"shard_{shard}.pt", "--metrics-json", f"shard_{shard}.json")
+    shards[shard] = json.load(open(f"shard_{shard}.json"))
+    print()
+reference = torch.load("shard_ddp.pt")
+rows = []
+for shard, m in shards.items():
+    weights = torch.load(f"shard_{shard}.pt")
+    difference = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+    rows.append(f"| {shard} | {' / '.join(f'{s:.1f}' for s in m['state_mib_per_rank'])} | "
+                f"{max(m['state_mib_per_rank']) / max(shards['ddp']['state_mib_per_rank']):.2f}x | "
+                f"{' / '.join(f'{p:.0f}' for p in m['peak_mib_per_rank'])} | {difference:.1e} |")
+Markdown("| --shard | state per rank, MiB (rank 0 / 1) | vs ddp | peak per rank, MiB "
+         "| weights vs ddp, largest difference |\n|---|---|---|---|---|\n" + "\n".join(rows)
+         + "\n\nMeasured in this run. On two ranks FSDP should hold half of DDP's state and ZeRO half "
+           "of AdamW's averages (the weights and gradients stay whole). The same 20 steps on CPU ranks "
+           "end with DDP's weights to float rounding (the course's tests); on GPUs NCCL may add the "
+           "gradients in another order in each mode. An AdamW step moves a weight by about the "
+           "learning rate (0.001) at most: a difference well below it is rounding, one near it a "
+           "step that went another way.")'''.strip()
+
 LESSON4 = """\
 ## Lesson 4: a GCN on ogbn-products with NeighborLoader, on one GPU and on two
 
@@ -302,6 +341,7 @@ def build():
               new_markdown_cell(LESSON3), new_code_cell(GPU_RUNS), new_code_cell(TORCHRUN),
               new_code_cell(TABLE), new_markdown_cell(LESSON5), new_code_cell(RESUME_RUNS),
               new_markdown_cell(LESSON6), new_code_cell(COMM_RUNS),
+              new_markdown_cell(LESSON10), new_code_cell(SHARD_RUNS),
               new_markdown_cell(LESSON4), new_code_cell(INSTALL_PYG),
               new_code_cell(PREPARE_GRAPH), new_code_cell(GCN_RUNS)]
     nb = new_notebook(cells=cells)

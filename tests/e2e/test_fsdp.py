@@ -112,3 +112,42 @@ def test_a_sharded_checkpoint_resumes_on_other_ranks(run, checkpoint, nprocs, sh
     assert max_abs_diff(resumed, uninterrupted) < 1e-5
     # The control: the checkpoint's own weights, 10 steps short, are far from there.
     assert max_abs_diff(halfway, uninterrupted) > 1e-3
+
+
+def test_the_kaggle_notebooks_sharding_cell_reports_these_runs(run, tmp_path, monkeypatch):
+    """kaggle/ddp_t4x2.ipynb's lesson 10 cell (two T4s there) runs here on this module's CPU runs:
+    its `run` hands over the weights and metrics of the same modes, 2 ranks and 20 unshuffled steps,
+    and the cell's table must show FSDP's half of DDP's state and ZeRO's weights equal to DDP's."""
+    import json
+
+    import nbformat
+    from helpers import REPO
+
+    nb = nbformat.read(REPO / "kaggle" / "ddp_t4x2.ipynb", as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and 'run("mnist_fsdp.py"' in c.source)
+    launched, shown = [], []
+
+    def kaggle_run(script, *argv):
+        argv = [str(a) for a in argv]
+
+        def flag(name):
+            return argv[argv.index(name) + 1]
+
+        assert (script, flag("--nprocs"), flag("--max-steps")) == ("mnist_fsdp.py", "2", str(STEPS))
+        assert "--no-shuffle" in argv
+        launched.append(flag("--shard"))
+        weights, metrics = trained(run, flag("--shard"))
+        torch.save(weights, flag("--save"))
+        with open(flag("--metrics-json"), "w") as f:
+            json.dump(metrics, f)
+
+    monkeypatch.chdir(tmp_path)
+    exec(cell, {"run": kaggle_run, "DATA": "/tmp/data", "json": json, "torch": torch,
+                "print": lambda *a: None, "Markdown": shown.append})
+    assert launched == ["ddp", "zero", "fsdp"]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in shown[0].splitlines()
+            if line.startswith("| ") and line.split(" | ")[0].strip("| ") in launched}
+    assert rows["ddp"][2] == "1.00x" and rows["fsdp"][2] == "0.50x", rows
+    assert float(rows["zero"][2].rstrip("x")) < 1
+    for shard in launched:  # on 2 CPU ranks the very same bits (test_zero_and_fsdp_take_ddps_steps)
+        assert float(rows[shard][4].strip(" |")) < BOUND[2], rows[shard]

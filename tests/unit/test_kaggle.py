@@ -29,7 +29,7 @@ def test_notebook_is_valid_and_embeds_every_script_verbatim():
             header, _, body = cell.source.partition("\n")
             written[header.split()[1]] = body
     for name in ("mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
-                 "mnist_ddp_comm.py", "gcn_ddp.py"):
+                 "mnist_ddp_comm.py", "mnist_fsdp.py", "gcn_ddp.py"):
         assert written[name].rstrip() == (SCRIPTS / name).read_text().rstrip()
     assert all(c.get("outputs", []) == [] for c in nb.cells if c.cell_type == "code")
 
