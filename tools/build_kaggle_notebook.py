@@ -19,7 +19,7 @@ SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp
 INTRO = """\
 # PyTorch DDP on Kaggle's two T4 GPUs
 
-Lessons 2 to 6 of the course on Kaggle's **GPU T4 x2** accelerator: DDP on CPU with Gloo, then
+Lessons 2 to 6 and 10 of the course on Kaggle's **GPU T4 x2** accelerator: DDP on CPU with Gloo, then
 on one and two GPUs with NCCL, timed side by side; a job that loses a GPU's rank halfway and
 resumes from its snapshot (lesson 5); what the gradient all-reduce costs between two GPUs on PCIe,
 and gradient accumulation and fp16 compression against it (lesson 6); what each GPU holds when the
