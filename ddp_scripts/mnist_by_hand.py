@@ -13,10 +13,10 @@ DistributedDataParallel does:
     flat        one all-reduce of all the gradients copied into one buffer, after backward
     overlap     a hook per parameter starts its gradient's all-reduce as soon as backward has
                 produced it, while backward goes on; the step waits for all of them
-    bucketed    gradients gathered, in the order backward produces them, into buckets of about
-                --bucket-mb; each bucket's all-reduce starts once the bucket is full (DDP's way)
+    bucketed    gradients gathered, in the order backward produces them, into buckets (DDP's
+                sizes, or --bucket-mb); each bucket's all-reduce starts once it is full (DDP's way)
 
-Each class wraps a model (`sync = Bucketed(model, bucket_mb=25)`);
+Each class wraps a model (`sync = Bucketed(model)`);
 `sync.finish_gradient_synchronization()` waits for the averaged gradients before `optimizer.step()`.
 --profile DIR writes a torch.profiler trace of a few steps per rank (open it in
 https://ui.perfetto.dev or chrome://tracing). A teaching script: it reads the data that
@@ -174,22 +174,26 @@ class Overlap(PerTensor):
 
 
 class Bucketed(PerTensor):
-    """The gradients grouped into buckets of about bucket_mb MiB, in the reverse order of the
-    parameters (about the order in which backward produces them). When the last gradient of a
-    bucket is ready, the bucket is copied into one buffer and its all-reduce starts, while backward
-    goes on: fewer, bigger messages than Overlap's, still overlapped. DDP's way (DDP also rebuilds
-    its buckets after the first step, in the order it saw the gradients come)."""
+    """The gradients grouped into buckets, in the reverse order of the parameters (about the order
+    in which backward produces them). When the last gradient of a bucket is ready, the bucket is
+    copied into one buffer and its all-reduce starts, while backward goes on: fewer, bigger messages
+    than Overlap's, still overlapped. DDP's way, with DDP's sizes (torch 2.14.1, after its first
+    step, when it rebuilds its buckets in the order it saw the gradients come): a bucket closes once
+    it holds at least its cap, 1 MiB for the first bucket and 25 MiB for the others by default, or
+    bucket_mb for every bucket (DDP's bucket_cap_mb). A tensor is never split between buckets."""
 
-    def __init__(self, model, bucket_mb=25.0):
+    def __init__(self, model, bucket_mb=None):
         super().__init__(model)
+        caps = [1.0, 25.0] if bucket_mb is None else [bucket_mb]  # MiB: the first bucket's, then the others'
         self.buckets, size = [[]], 0
         for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
-            if self.buckets[-1] and size + nbytes > bucket_mb * 2**20:
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+            if size >= caps[min(len(self.buckets), len(caps)) - 1] * 2**20:  # full: the next one begins
                 self.buckets.append([])
                 size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        if not self.buckets[-1]:
+            self.buckets.pop()
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(bucket) for bucket in self.buckets]  # gradients not yet ready, per bucket
         self.pending = {}  # bucket index -> (its buffer, the all-reduce under way)
@@ -325,7 +329,8 @@ def parse_args(argv=None):
     p.add_argument("--sync", choices=list(SYNC), default="per-tensor",
                    help="how the gradients are averaged (see the top of this file)")
     p.add_argument("--bucket-mb", type=positive(float), default=None,
-                   help="--sync bucketed: the size of a bucket, in MiB (default 25, as DDP's)")
+                   help="--sync bucketed: every bucket closes at this size, in MiB (default: DDP's, "
+                        "1 MiB for the first bucket, 25 MiB for the others)")
     p.add_argument("--profile", type=str, default=None, metavar="DIR",
                    help="write a torch.profiler trace of steps 3 to 5 of each rank into DIR")
     p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="linear")
@@ -348,7 +353,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.bucket_mb is not None and args.sync != "bucketed":
         raise UsageError("--bucket-mb sets the buckets of --sync bucketed: add --sync bucketed, or drop it")
-    args.bucket_mb = (args.bucket_mb or 25.0) if args.sync == "bucketed" else None
     if args.profile:
         try:
             os.makedirs(args.profile, exist_ok=True)

@@ -2,11 +2,11 @@
 averaging the gradients, against DDP's, at 2 ranks on THIS machine (Gloo, one thread per rank).
 
 Rows: lesson 6's MLP (23 MB of gradients) and the ConvNet (1.2 MB), each with DDP (its default
-buckets) and the by-hand modes per-tensor, flat, overlap and bucketed (25 MiB); then, on the MLP,
-the bucketed mode and DDP's --bucket-cap-mb at several bucket sizes; and a variant defined here,
-bucketed with a new buffer from torch.cat each step instead of the one the script keeps from step to
-step (as DDP keeps its buckets), with the page faults per step of each row: what tells the two
-apart. Ratios are to DDP with its default buckets, on the same model.
+buckets) and the by-hand modes per-tensor, flat, overlap and bucketed (with DDP's default sizes, so
+the same buckets as DDP's); then, on the MLP, the bucketed mode and DDP's --bucket-cap-mb at several
+bucket sizes; and a variant defined here, bucketed with a new buffer from torch.cat each step instead
+of the one the script keeps from step to step (as DDP keeps its buckets), with the page faults per
+step of each row: what tells the two apart. Ratios are to DDP with its default buckets, on the same model.
 
 All the rows are timed by one harness, in the same loop: the same model from the same seed, the
 same batches of 64 per rank, a step timed from zero_grad to the end of optimizer.step(). The by-hand
@@ -56,7 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draw_overlap_trace  # noqa: E402  (the trace parsing)
 
 MODES = ["per-tensor", "flat", "overlap", "bucketed"]
-SWEEP_MB = [1, 8, 17, 25]  # the MLP's gradients: 16 MiB, 6.1 MiB and four small tensors (0.09 MiB)
+# The MLP's gradients, in backward's order: 0.08 MiB (layer 3), 16 MiB (layer 2), 6.1 MiB (layer 1),
+# and their biases. A bucket closes once it holds its size: 0.05 MiB makes 3 buckets; 4 MiB makes 2
+# (16.09 + 6.13 MiB, the same two as DDP's defaults); 25 MiB makes 1.
+SWEEP_MB = [0.05, 4, 25]
 WORLD, BATCH = 2, 64
 
 
@@ -65,10 +68,10 @@ def configurations():
     rows = []
     for model in ("mlp", "convnet"):
         rows += [(model, "ddp", None)]
-        rows += [(model, mode, 25.0 if mode == "bucketed" else None) for mode in MODES]
+        rows += [(model, mode, None) for mode in MODES]  # bucketed: DDP's default sizes
     for mb in SWEEP_MB:
-        rows += [("mlp", "bucketed", float(mb))] * (mb != 25) + [("mlp", "ddp", float(mb))]
-    return rows + [("mlp", "bucketed-new", 25.0)]  # a variant: what a new buffer each step costs
+        rows += [("mlp", "bucketed", float(mb)), ("mlp", "ddp", float(mb))]
+    return rows + [("mlp", "bucketed-new", None)]  # a variant: what a new buffer each step costs
 
 
 def key(config):
@@ -81,8 +84,10 @@ def label(config):
     if mode == "ddp":
         return "DDP, default buckets" if mb is None else f"DDP, --bucket-cap-mb {mb:g}"
     if mode == "bucketed-new":
-        return f"variant: bucketed {mb:g} MiB, a new buffer each step"
-    return f"by hand, {mode}" + (f" {mb:g} MiB" if mb else "")
+        return "variant: bucketed, a new buffer each step"
+    if mode == "bucketed":
+        return f"by hand, bucketed {mb:g} MiB" if mb else "by hand, bucketed (DDP's sizes)"
+    return f"by hand, {mode}"
 
 
 # --------------------------------------------------------------------------- the harness (each rank)
@@ -259,7 +264,7 @@ def plot(data, out):
     ticks, tick_labels = [], []
     for m, model in enumerate(("mlp", "convnet")):
         for i, mode in enumerate(names):
-            r = rows[key((model, mode, 25.0 if mode == "bucketed" else None))]
+            r = rows[key((model, mode, None))]
             y = m * (len(names) + 1.2) + i
             left.barh(y, r["vs_ddp"], color=colours[mode], height=0.8)
             if mode != "ddp":
@@ -267,7 +272,7 @@ def plot(data, out):
             left.text(max(r["vs_ddp_quartiles"][1], r["vs_ddp"]) + 0.02, y,
                       f"{r['vs_ddp']:.2f}x  ({r['ms']:.0f} ms)", va="center", fontsize=8)
             ticks.append(y)
-            name = "DDP" if mode == "ddp" else mode + " 25 MiB" * (mode == "bucketed")
+            name = "DDP" if mode == "ddp" else mode + " (DDP's sizes)" * (mode == "bucketed")
             tick_labels.append(f"{model}: {name}")
     left.axvline(1, color="#555", lw=0.8, ls="--")
     left.set_yticks(ticks, tick_labels, fontsize=8)
@@ -285,10 +290,10 @@ def plot(data, out):
         for mb, r in zip(SWEEP_MB, sweep):  # how many buckets that size makes
             right.annotate(f"{len(r['buckets_mib'])}", (mb, r["vs_ddp"]), textcoords="offset points",
                            fontsize=8, xytext=(6, 4 if mode == "bucketed" else -10), color=colours[mode])
-    variant = rows.get(key(("mlp", "bucketed-new", 25.0)))
-    if variant:
-        right.plot([25], [variant["vs_ddp"]], "x", color="black", ms=8, mew=1.5,
-                   label="variant: bucketed 25 MiB, a new buffer each step")
+    variant = rows.get(key(("mlp", "bucketed-new", None)))
+    if variant:  # DDP's default sizes make the MLP's buckets that 4 MiB makes
+        right.plot([4], [variant["vs_ddp"]], "x", color="black", ms=8, mew=1.5,
+                   label="variant: bucketed, DDP's sizes, a new buffer each step")
     for mode, style in (("overlap", ":"), ("per-tensor", "-.")):
         right.axhline(rows[key(("mlp", mode, None))]["vs_ddp"], color=colours[mode], ls=style, lw=1,
                       label=f"by hand, {mode}")
@@ -381,8 +386,8 @@ def main():
               f"{paired(hand, ddp):.2f}x")
 
     # Where the time goes: a profile of 3 steps of each MLP row, rank 0.
-    profiled = [c for c in configs if c[0] == "mlp" and (c[2] is None or c[2] == 25.0)]
-    profiled += [("mlp", "bucketed", float(SWEEP_MB[0]))]
+    profiled = [c for c in configs if c[0] == "mlp" and c[2] is None]
+    profiled += [("mlp", "bucketed", float(SWEEP_MB[0])), ("mlp", "bucketed", float(SWEEP_MB[-1]))]
     folder = args.json.parent / "by_hand_traces"
     traces = launch({**task, "configs": profiled, "profile": str(folder)}, args.json.with_suffix(".part"))
     args.json.with_suffix(".part").unlink()

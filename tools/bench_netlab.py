@@ -66,7 +66,7 @@ dist.destroy_process_group()
 TRAINING = [
     ("DDP, default buckets", [], 1),  # the MLP: 1 MiB first (its last layer), then 25 MiB
     ("one 100 MB bucket (no overlap)", ["--bucket-cap-mb", "100"], 1),
-    ("1 MB buckets", ["--bucket-cap-mb", "1"], 1),
+    ("1 MB buckets", ["--bucket-cap-mb", "1"], 1),  # the MLP: the default's 2 buckets again (a noise check)
     ("accumulation, K=4", ["--accum-steps", "4"], 4),
     ("fp16 hook", ["--comm-hook", "fp16"], 1),
     ("bf16 hook", ["--comm-hook", "bf16"], 1),

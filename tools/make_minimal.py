@@ -1,5 +1,5 @@
 """Write ddp_scripts/minimal/: each DDP script's lesson part, every hardening call replaced by its
-plain form, the hardening dropped (make minimal; tests/test_lesson_parts.py fails when stale).
+plain form, the hardening dropped (make minimal; tests/unit/test_lesson_parts.py fails when stale).
 
 A DDP script has two parts, split by one fence line (a comment that starts with `# ===` and says
 `hardening`): above it the lesson, below it the hardening, which starts with a block shared by every

@@ -291,8 +291,10 @@ class Lab:
         """Remove the lab: its processes, namespaces, veths and /etc/netns folders."""
         remove(self.prefix)
         for proc in self._procs:  # reap what popen() started (killed above)
+            if proc.poll() is None:  # started just before: not yet in its namespace when remove() looked
+                proc.kill()
             try:
-                proc.wait(timeout=2)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
         self._procs.clear()

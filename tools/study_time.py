@@ -9,7 +9,7 @@ time (the `**Time:**` line) is measured instead, not estimated.
     python tools/study_time.py            # print each lesson's estimate
     python tools/study_time.py --write    # write it into each lesson's first cell and the README
 
-tests/test_notebooks.py fails when a lesson or the README states another number than the rule
+tests/unit/test_notebooks.py fails when a lesson or the README states another number than the rule
 gives: after editing a lesson, run `make study-times`.
 """
 import argparse

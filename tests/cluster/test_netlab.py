@@ -121,6 +121,9 @@ def test_netlab_up_removes_a_stale_lab_and_down_leaves_nothing():
     subprocess.run(["ip", "link", "add", f"{prefix}-a", "type", "veth", "peer", "name", f"{prefix}-b"],
                    check=True)
     stale = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-host0", "sleep", "60"])
+    deadline = time.monotonic() + 10  # until it has joined the namespace: only then is it the lab's
+    while stale.pid not in netlab.netns_pids(f"{prefix}-host0") and time.monotonic() < deadline:
+        time.sleep(0.02)
     try:
         lab = netlab.Lab(prefix=prefix, rate="1gbit")
         try:
@@ -132,7 +135,7 @@ def test_netlab_up_removes_a_stale_lab_and_down_leaves_nothing():
             running = lab.popen("host0", ["sleep", "60"])
         finally:
             lab.down()
-        assert running.poll() is not None  # killed with the lab
+        assert running.poll() is not None  # killed with the lab, even just after it started
         assert netlab.leftovers(prefix) == []
         assert sorted(netlab.root_links()) == links_before  # no veth left here either
     finally:

@@ -54,3 +54,47 @@ def test_without_the_flag_ddp_keeps_its_own_buckets(monkeypatch, in_process_rank
     comm.worker(0, 1, args)
     everything = 784 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 10 + 10
     assert sizes == [everything] + later_steps * 2
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "convnet", "1 MiB last"])
+@pytest.mark.parametrize("bucket_mb", [None, 0.05, 1, 4, 8, 25])
+def test_bucketed_by_hand_makes_ddps_buckets(one_rank_group, model_name, bucket_mb):
+    """Lesson 9's `--sync bucketed` says it makes DDP's buckets: the same tensors in the same
+    buckets as torch 2.14.1's DDP, with DDP's default sizes (bucket_cap_mb=None: the first bucket
+    closes at 1 MiB) and with the sizes of lesson 9's sweep and exercise 2, and a few more. DDP's
+    buckets are the ones it rebuilds after its first step, read by a hook; both are compared as
+    lists of sizes, in order.
+    "1 MiB last" ends in a weight of exactly 1 MiB: a bucket that reaches its cap is closed."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    by_hand = load_script("mnist_by_hand")
+
+    def build():
+        torch.manual_seed(0)
+        if model_name == "1 MiB last":
+            return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 512), torch.nn.ReLU(),
+                                       torch.nn.Linear(512, 512, bias=False))  # 512 classes: 10 used
+        return by_hand.build_model(model_name)
+
+    model = build()
+    made = by_hand.Bucketed(model, bucket_mb)
+    by_hand_sizes = [sum(p.numel() for p in bucket) for bucket in made.buckets]
+
+    ddp = DDP(build(), bucket_cap_mb=bucket_mb)
+    seen = []
+
+    def recording_hook(state, bucket):
+        seen.append(bucket.buffer().numel())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, recording_hook)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    for _ in range(2):  # the first step sends one bucket; DDP rebuilds its buckets after it
+        seen.clear()
+        F.cross_entropy(ddp(x), y).backward()
+    assert seen == by_hand_sizes
+    assert sum(by_hand_sizes) == sum(p.numel() for p in model.parameters())

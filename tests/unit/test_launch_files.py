@@ -1,6 +1,6 @@
 """launch/: the Slurm batch script and the Kubernetes manifest that lesson 7 shows are files people
 copy. Checked here without a cluster: the Slurm script runs in bash with stand-ins for `scontrol`
-and `srun` that record what it would start (tests/test_slurm.py submits it to a real Slurm), and
+and `srun` that record what it would start (tests/cluster/test_slurm.py submits it to a real Slurm), and
 the manifest's command names a course script with flags that script takes."""
 import re
 import shlex

@@ -126,7 +126,7 @@ def test_a_seam_replacement_is_checked():
 
 def test_the_parser_does_no_network_io(monkeypatch):
     """A typo is refused by the parser alone (no store, no socket); under torchrun, run_main then
-    answers the roll call with it (tests/test_bad_input.py)."""
+    answers the roll call with it (tests/cluster/test_refusals_under_torchrun.py)."""
     cpu = load_script("mnist_ddp_cpu")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

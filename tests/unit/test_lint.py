@@ -30,3 +30,22 @@ def test_pre_commit_configuration_is_valid_and_local():
     assert {repo["repo"] for repo in repos} == {"local"}
     for hook in (h for repo in repos for h in repo["hooks"]):
         assert hook["entry"].startswith(".venv/bin/"), hook
+
+
+def test_every_test_file_the_text_names_exists():
+    """The lessons, docs and code point readers to tests by path (`tests/e2e/test_comm.py`): each
+    path named in a tracked file must be there, so that moving a test moves its mentions too."""
+    import re
+
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=REPO).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    missing = set()
+    for name in tracked:
+        path = REPO / name
+        if not path.is_file() or path.suffix in (".png", ".whl", ".gz"):
+            continue
+        for mention in re.findall(r"tests/[\w/]*test_\w+\.py", path.read_text(errors="replace")):
+            if not (REPO / mention).exists():
+                missing.add(f"{name}: {mention}")
+    assert not missing, "\n".join(sorted(missing))

@@ -9,7 +9,7 @@ MNIST_SHARED = {"prepare_data", "read_idx", "load_split", "ConvNet", "build_mode
                 "positive", "cpu_cores", "check_writable", "UsageError"}
 # (earlier lesson, next lesson, what the next lesson may change, what it must share): the diff of
 # their lesson parts is the lesson itself. The hardening below the fence is the same block in every
-# DDP script (tests/test_lesson_parts.py).
+# DDP script (tests/unit/test_lesson_parts.py).
 PAIRS = [
     ("mnist_single.py", "mnist_ddp_cpu.py", {"evaluate", "train", "parse_args", "main"}, MNIST_SHARED),
     ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py", {"evaluate", "train", "worker", "check_setup", "parse_args"},
