@@ -3,7 +3,8 @@ data parallelism (DDP), FSDP, tensor parallelism and pipeline parallelism.
 
     python tools/draw_parallelisms.py [--out figures/parallelisms.png]
 
-Each panel shows the MLP's three linear layers (784 x W, W x W, W x 10) on rank 0 and rank 1: the
+Each panel shows the MLP's three linear layers as nn.Linear stores their weights, output x input
+(W x 784, W x W, 10 x W; dim 0 drawn as rows), on rank 0 and rank 1: the
 part of each weight the rank holds (filled) against the whole (outlined), the share of the global
 batch it computes, and what crosses between the ranks in a step, with its size in terms of P (the
 parameters' bytes), B (the global batch), W (the hidden width) and M (micro-batches). Schematic: the
@@ -13,7 +14,7 @@ import argparse
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = [("784 x W", 0.9), ("W x W", 1.0), ("W x 10", 0.25)]  # label, drawn height
+LAYERS = [("W x 784", 0.9), ("W x W", 1.0), ("10 x W", 0.25)]  # nn.Linear's weight (out x in), height
 HELD = {  # per strategy, per rank: the fraction (start, end) of each layer's rows held, ("cols", start,
     # end) of its columns; None: nothing of it
     "DDP": [[(0, 1)] * 3, [(0, 1)] * 3],
@@ -66,8 +67,9 @@ def draw(out=REPO / "figures" / "parallelisms.png"):
         ax.annotate("", xy=(2.35, 1.9), xytext=(1.85, 1.9),
                     arrowprops=dict(arrowstyle="<|-|>", color="#c0504d", lw=2, mutation_scale=14))
         ax.text(2.1, 0.05, SENT[name], ha="center", va="center", fontsize=7.5, color="#c0504d")
-    fig.suptitle("What each of 2 ranks holds (filled: the part of each weight it keeps) and sends in one "
-                 "step of lesson 6's MLP", fontsize=10)
+    fig.suptitle("What each of 2 ranks holds (filled: the part of each weight it keeps; a weight as "
+                 "nn.Linear stores it, output x input, dim 0 down) and sends in one step of lesson 6's MLP",
+                 fontsize=10)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ uninterrupted run goes. Every comparison has a control that differs. The in-proc
 evaluation, data order, the counting): tests/unit/test_fsdp_parts.py."""
 import pytest
 import torch
-from helpers import load_script, max_abs_diff, read_metrics, run_script, torchrun
+from helpers import REPO, load_script, max_abs_diff, read_metrics, run_script, torchrun
 
 CPU = ["--backend", "gloo", "--device", "cpu", "--no-shuffle", "--quiet"]
 STEPS = 20
@@ -74,6 +74,16 @@ def test_each_rank_holds_less_of_the_state(run):
     assert max(state["zero"]) < state["ddp"][0]
     weights_and_gradients = 2 * MLP_PARAMETERS * 4 / MIB
     assert sum(s - weights_and_gradients for s in state["zero"]) == pytest.approx(whole / 2, abs=0.01)
+    # Lesson 10's figure (tools/draw_sharding.py) draws what each rank holds: the same, rank by rank
+    # (AdamW's step counts, 4 bytes a tensor, aside).
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draw_sharding", REPO / "tools" / "draw_sharding.py")
+    drawn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drawn)
+    shapes = [(2048, 784), (2048,), (2048, 2048), (2048,), (10, 2048), (10,)]
+    for shard, mode in (("ddp", "DDP"), ("zero", "ZeRO-1"), ("fsdp", "FSDP")):
+        assert state[shard] == [pytest.approx(sum(parts), abs=0.01) for parts in drawn.held(mode, 2, shapes)]
     for shard in state:  # the peak: of the whole process (CPU: its resident set), hence above its state
         peaks = trained(run, shard)[1]["peak_mib_per_rank"]
         assert len(peaks) == 2 and all(peak > s for peak, s in zip(peaks, state[shard])), (shard, peaks)

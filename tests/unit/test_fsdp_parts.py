@@ -174,6 +174,33 @@ def test_the_state_counted_is_parameters_gradients_and_adamw(one_rank_group, fsd
     assert fsdp_script.state_bytes(model, optimizer) == 4 * params * 4 + 2 * 4
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_sharding_figure_deals_the_state_as_torch_does(one_rank_group, fsdp_script, world_size):
+    """tools/draw_sharding.py's shares, against torch 2.14.1's own rules: ZeroRedundancyOptimizer's
+    partition of the MLP's parameters (its method, run as if the group had world_size ranks) and
+    fully_shard's cut of each tensor's rows (_chunk_with_empty, the function it calls)."""
+    import importlib.util
+
+    from helpers import REPO
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    spec = importlib.util.spec_from_file_location("draw_sharding", REPO / "tools" / "draw_sharding.py")
+    drawn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drawn)
+    params = list(fsdp_script.build_model("mlp").parameters())
+    shapes = [tuple(p.shape) for p in params]
+
+    zero = fsdp_script.ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW)
+    zero.world_size, zero._partition_parameters_cache = world_size, []
+    per_rank = [sum(p.numel() for group in groups for p in group["params"])
+                for groups in zero._partition_parameters()]
+    assert drawn.zero_shares(shapes, world_size) == per_rank
+
+    cut = [sum(_chunk_with_empty(p.detach(), world_size, dim=0)[rank].numel() for p in params)
+           for rank in range(world_size)]
+    assert drawn.fsdp_shares(shapes, world_size) == cut
+
+
 def test_a_resumed_run_is_the_uninterrupted_one(in_process_rank, tmp_path, data_args, fsdp_script):
     """One rank, in this process, shuffled data, 12 steps an epoch: 17 steps and a checkpoint, then
     a resume to 24 (5 into epoch 2, then its 7 left) ends with the weights of 24 steps in one run,
