@@ -210,7 +210,7 @@ class Bucketed(PerTensor):
     def start(self, i):
         grads = [gradient(p).reshape(-1) for p in self.buckets[i]]
         if i not in self.buffers:  # a new buffer each step would cost its allocation (page faults) each step
-            self.buffers[i] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+            self.buffers[i] = grads[0].new_empty(sum(g.numel() for g in grads))  # its dtype and device
         flat = torch.cat(grads, out=self.buffers[i])
         self.pending[i] = (flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
 

@@ -6,7 +6,8 @@
 #   bash tools/gpu_session.sh run       # on the GPU machine, with data/ and .device/ copied beside it
 #
 # `run` builds torch-scatter and torch-sparse there (CPU-only: the sampler runs on the CPU) when
-# neither pyg-lib nor torch-sparse can be imported, and meanwhile runs lessons 5 and 6's GPU tests;
+# neither pyg-lib nor torch-sparse can be imported, and meanwhile runs lessons 5, 6, 9 and 10's GPU
+# checks;
 # then lesson 4's GPU tests and tools/gpu_check.py --lesson 4, then notebook 03's code cells.
 # Logs go to $OUT when it is set, else build/gpu-session. Exits non-zero
 # if any step failed.
@@ -69,6 +70,15 @@ run)
         PYTHONUNBUFFERED=1 timeout 120 $PY ddp_scripts/mnist_fsdp.py --shard $shard --max-steps 50 \
             --metrics-json "$out/fsdp-$shard.json" 2>&1 | tee "$out/fsdp-$shard.log" || failed+=(fsdp-$shard)
     done
+    echo "== $(date +%T) lesson 9's by-hand classes on CUDA tensors with NCCL, against DDP"
+    PYTHONUNBUFFERED=1 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/e2e/test_by_hand.py -k gpus \
+        2>&1 | tee "$out/pytest-by-hand.log" || failed+=(pytest-by-hand)
+    echo "== $(date +%T) --profile on the GPU: a trace with NCCL's all-reduces (lessons 6 and 9)"
+    PYTHONUNBUFFERED=1 timeout 90 $PY ddp_scripts/mnist_ddp_comm.py --model mlp --max-steps 6 --quiet \
+        --profile "$out/trace-gpu" 2>&1 | tee "$out/profile-gpu.log" || failed+=(profile-gpu)
+    $PY -c "import json, sys; names = {e.get('name', '') for e in json.load(open(sys.argv[1]))['traceEvents']}; \
+nccl = sorted(n for n in names if 'nccl' in n.lower()); print('NCCL events in the trace:', nccl[:8]); \
+sys.exit(not nccl)" "$out/trace-gpu/rank0.json" || failed+=(profile-gpu-trace)
     if ((${#builds[@]})); then
         echo "== $(date +%T) waiting for the sampler build"
         wait "${builds[@]}"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, free_port, max_abs_diff, run_script, script_env
+from helpers import GPUS, SCRIPTS, free_port, max_abs_diff, needs_gpu, run_script, script_env
 
 HARNESS = Path(__file__).with_name("by_hand_harness.py")
 MODES = ["per-tensor", "flat", "overlap", "bucketed"]
@@ -29,6 +29,24 @@ def test_each_way_ends_with_ddps_weights(every_way, mode, model):
     assert max_abs_diff(every_way[(mode, model)], ddp) < 1e-6
     # the control: without the averaging, rank 0 trains on its own batches and ends elsewhere
     assert max_abs_diff(every_way[("none", model)], ddp) > 1e-3
+
+
+@needs_gpu
+def test_each_way_ends_with_ddps_weights_on_gpus(tmp_path, data_args):
+    """The same classes on CUDA tensors with NCCL, one GPU per rank (up to 2): their buffers on the
+    gradients' device, each way still DDP's steps (to 1e-4: cuDNN's convolutions may pick other
+    algorithms from run to run)."""
+    world = min(2, GPUS)
+    out = tmp_path / "weights.pt"
+    r = run_script(HARNESS, world, SCRIPTS / "mnist_by_hand.py", data_args[1], data_args[3], out,
+                   timeout=300, env=script_env(HARNESS_PORT=free_port(), HARNESS_DEVICE="cuda"), fresh=True)
+    assert r.returncode == 0, r.stderr
+    got = torch.load(out)
+    for model in ("convnet", "shared"):
+        for mode in MODES:
+            assert max_abs_diff(got[(mode, model)], got[("ddp", model)]) < 1e-4, (mode, model)
+        if world > 1:  # the control
+            assert max_abs_diff(got[("none", model)], got[("ddp", model)]) > 1e-3, model
 
 
 @pytest.mark.parametrize("mode", MODES)
