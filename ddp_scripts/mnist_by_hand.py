@@ -189,7 +189,7 @@ class Bucketed(PerTensor):
         for p in reversed(self.params):
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
-            if size >= caps[min(len(self.buckets), len(caps)) - 1] * 2**20:  # full: the next one begins
+            if size >= int(caps[min(len(self.buckets), len(caps)) - 1] * 2**20):  # full (whole bytes, as DDP)
                 self.buckets.append([])
                 size = 0
         if not self.buckets[-1]:
