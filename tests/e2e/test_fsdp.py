@@ -3,9 +3,14 @@ take DDP's steps (up to float rounding) while each rank holds less of the state;
 plain model in every mode; a sharded checkpoint of 2 ranks resumes on 1 and on 3 ranks where the
 uninterrupted run goes. Every comparison has a control that differs. The in-process parts (refusals,
 evaluation, data order, the counting): tests/unit/test_fsdp_parts.py."""
+import sys
+
 import pytest
 import torch
 from helpers import REPO, load_script, max_abs_diff, read_metrics, run_script, torchrun
+
+sys.path.insert(0, str(REPO / "tools"))
+import draw_sharding  # noqa: E402  (lesson 10's figure of what each rank holds)
 
 CPU = ["--backend", "gloo", "--device", "cpu", "--no-shuffle", "--quiet"]
 STEPS = 20
@@ -76,14 +81,10 @@ def test_each_rank_holds_less_of_the_state(run):
     assert sum(s - weights_and_gradients for s in state["zero"]) == pytest.approx(whole / 2, abs=0.01)
     # Lesson 10's figure (tools/draw_sharding.py) draws what each rank holds: the same, rank by rank
     # (AdamW's step counts, 4 bytes a tensor, aside).
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("draw_sharding", REPO / "tools" / "draw_sharding.py")
-    drawn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drawn)
     shapes = [(2048, 784), (2048,), (2048, 2048), (2048,), (10, 2048), (10,)]
     for shard, mode in (("ddp", "DDP"), ("zero", "ZeRO-1"), ("fsdp", "FSDP")):
-        assert state[shard] == [pytest.approx(sum(parts), abs=0.01) for parts in drawn.held(mode, 2, shapes)]
+        drawn = draw_sharding.held(mode, 2, shapes)
+        assert state[shard] == [pytest.approx(sum(parts), abs=0.01) for parts in drawn]
     for shard in state:  # the peak: of the whole process (CPU: its resident set), hence above its state
         peaks = trained(run, shard)[1]["peak_mib_per_rank"]
         assert len(peaks) == 2 and all(peak > s for peak, s in zip(peaks, state[shard])), (shard, peaks)
@@ -131,7 +132,6 @@ def test_the_kaggle_notebooks_sharding_cell_reports_these_runs(run, tmp_path, mo
     import json
 
     import nbformat
-    from helpers import REPO
 
     nb = nbformat.read(REPO / "kaggle" / "ddp_t4x2.ipynb", as_version=4)
     cell = next(c.source for c in nb.cells if c.cell_type == "code" and 'run("mnist_fsdp.py"' in c.source)

@@ -3,10 +3,14 @@ on (evaluation with as many forwards on every rank, the data order by global ste
 number of ranks, the state counted), and a resumed run equal to an uninterrupted one (one rank,
 Gloo, shuffled data, across an epoch's end). tests/e2e/test_fsdp.py launches the runs of 2 and 3 ranks."""
 import json
+import sys
 
 import pytest
 import torch
-from helpers import load_script, refused_in_process
+from helpers import REPO, load_script, refused_in_process
+
+sys.path.insert(0, str(REPO / "tools"))
+import draw_sharding  # noqa: E402  (lesson 10's figure of what each rank holds)
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
 
@@ -179,14 +183,8 @@ def test_the_sharding_figure_deals_the_state_as_torch_does(one_rank_group, fsdp_
     """tools/draw_sharding.py's shares, against torch 2.14.1's own rules: ZeroRedundancyOptimizer's
     partition of the MLP's parameters (its method, run as if the group had world_size ranks) and
     fully_shard's cut of each tensor's rows (_chunk_with_empty, the function it calls)."""
-    import importlib.util
-
-    from helpers import REPO
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    spec = importlib.util.spec_from_file_location("draw_sharding", REPO / "tools" / "draw_sharding.py")
-    drawn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drawn)
     params = list(fsdp_script.build_model("mlp").parameters())
     shapes = [tuple(p.shape) for p in params]
 
@@ -194,11 +192,11 @@ def test_the_sharding_figure_deals_the_state_as_torch_does(one_rank_group, fsdp_
     zero.world_size, zero._partition_parameters_cache = world_size, []
     per_rank = [sum(p.numel() for group in groups for p in group["params"])
                 for groups in zero._partition_parameters()]
-    assert drawn.zero_shares(shapes, world_size) == per_rank
+    assert draw_sharding.zero_shares(shapes, world_size) == per_rank
 
     cut = [sum(_chunk_with_empty(p.detach(), world_size, dim=0)[rank].numel() for p in params)
            for rank in range(world_size)]
-    assert drawn.fsdp_shares(shapes, world_size) == cut
+    assert draw_sharding.fsdp_shares(shapes, world_size) == cut
 
 
 def test_a_resumed_run_is_the_uninterrupted_one(in_process_rank, tmp_path, data_args, fsdp_script):
