@@ -282,6 +282,7 @@ class Lab:
                     "dev", IFNAME)
                 _sh("ip", "-n", namespace, "link", "set", IFNAME, "up")
             self.set_rate(format_rate(self.rate))
+            self.wait_for_link()
         except BaseException:
             self.down()
             raise
@@ -325,6 +326,18 @@ class Lab:
         if state not in ("up", "down"):
             raise LabError(f"netlab: link state {state!r}: say up or down")
         _sh("ip", "-n", self.namespace(host), "link", "set", IFNAME, state)
+        if state == "up":
+            self.wait_for_link()
+
+    def wait_for_link(self, seconds=10.0):
+        """Return once both ends of the link are operationally up: a veth's peer sees its carrier come
+        back a moment after `link set up`, and what is sent before then finds no route."""
+        deadline = time.monotonic() + seconds
+        while not all("state UP" in _sh("ip", "-n", self.namespace(h), "-o", "link", "show", IFNAME).stdout
+                      for h in self.hosts):
+            if time.monotonic() > deadline:
+                raise LabError(f"netlab: the link is not up on both hosts after {seconds:g} s")
+            time.sleep(0.05)
 
     def port(self):
         """A port for the next job's rendezvous in the lab. The hosts have a port space of their own,
@@ -373,8 +386,11 @@ class Lab:
         try:
             if server.stdout.readline().strip() != "ready":
                 raise LabError(f"netlab: the receiver in {receiver} did not start")
-            self.run(sender, [python, "-c", TRANSFER, "send", to or receiver, port, nbytes],
-                     timeout=timeout, check=True)
+            sent = self.run(sender, [python, "-c", TRANSFER, "send", to or receiver, port, nbytes],
+                            timeout=timeout)
+            if sent.returncode != 0:
+                reason = (sent.stderr.strip().splitlines() or ["no message"])[-1]
+                raise LabError(f"netlab: {sender} could not send to {to or receiver}: {reason}")
             out, _ = server.communicate(timeout=timeout)
         finally:
             if server.poll() is None:
