@@ -990,7 +990,24 @@ def run_main(argv=None):
     """main(parse_args(argv)), with every way it can end said in one line: a mistake in the
     command line (exit code 2; under torchrun it answers the roll call, so that a typo on one
     machine stops every machine), an error found by a check or by the workers (1), Ctrl-C or
-    SIGTERM (130)."""
+    SIGTERM (130). However it ends, the process ends through leave(): after an error too, torch's
+    threads are still there to abort Python's shutdown (decision 8)."""
+    try:
+        end_in_one_line(argv)
+        code = 0
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else 0 if end.code is None else 1
+    except BaseException:  # a bug: its traceback, then the same safe exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
+def end_in_one_line(argv):
+    """run_main's work: returns when main has finished; every other ending raises SystemExit with
+    its exit code, after its one line."""
     rank = int(os.environ.get("RANK", 0))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank that torchrun's agent started: end with it
         die_with_parent(os.getppid())
@@ -1007,7 +1024,6 @@ def run_main(argv=None):
         sys.exit(2)
     try:
         main(args)
-        leave(0)
     except UsageError as err:
         if "RANK" in os.environ:  # torchrun: every rank may have met it; rank 0 says it
             said_once(err, rank)
@@ -1016,7 +1032,7 @@ def run_main(argv=None):
     except RuntimeError as err:  # torch's DistError too
         import re
 
-        lost = re.search(r"Connection (?:closed|reset) by peer[^.]*|Broken pipe", str(err))
+        lost = re.search(r"Connection (?:closed|reset) by peer(?: \[[^]]*\](?::\d+)?)?|Broken pipe", str(err))
         unreachable = re.search(r"connectFullMesh failed with (?:\[[^]]*\] )?([^$\n]*)", str(err))
         # Silence, not a closed connection: a machine whose network or power went, or a stuck rank.
         silent = re.search(r"Timed out waiting \d+ms for \w+ operation to complete", str(err))
