@@ -26,6 +26,7 @@ def pytest_sessionstart(session):
     start_preloaded()
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: pytest without it runs the suite too
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml): one worker per core, at most 4. A test keeps about one core busy
     on average (its ranks compute while it waits), so on 2 cores two workers finish the suite in

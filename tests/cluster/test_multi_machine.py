@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-from helpers import (OFFLINE, REPO, SCRIPTS, assert_one_line_error, free_port, read_metrics, run_script,
-                     script_env, torchrun, two_machines)
+from helpers import (OFFLINE, REPO, SCRIPTS, assert_one_line_error, free_port, needs_sampler, read_metrics,
+                     run_script, script_env, torchrun, two_machines)
 
 MNIST = ["--model", "linear", "--max-steps", 20]
 
@@ -43,7 +43,7 @@ def test_gcn_other_machines_use_rank_0s_dataset(tmp_path):
     """--dataset auto: rank 0's machine has ogbn-products, the other machine has nothing and is
     offline. Before, it quietly took the synthetic graph (and DDP failed on mismatched shapes);
     now it must fetch ogbn-products too, and says that it cannot."""
-    pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    needs_sampler()
     pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
     from graph_files import write_ogbn_products_raw
 
@@ -74,7 +74,7 @@ def test_gcn_other_machines_use_rank_0s_dataset(tmp_path):
 def test_a_preparation_longer_than_the_timeout_is_waited_for(tmp_path):
     """Under torchrun the ranks load the graph in turns; rank 1 waits for rank 0 (seconds here),
     longer than --timeout 1, which bounds the training's collectives, not the preparation."""
-    pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    needs_sampler()
     out = tmp_path / "m.json"
     r = run_script("gcn_ddp.py", "--device", "cpu", "--dataset", "synthetic", "--num-nodes", 200_000,
                    "--batch-size", 64, "--hidden", 16, "--max-steps", 2, "--eval-nodes", 500,
@@ -114,7 +114,7 @@ def test_a_refusal_on_one_machine_stops_both_at_once(refusing, data_args):
 
 
 def test_gcn_refusal_on_one_machine_stops_both_at_once():
-    pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    needs_sampler()
     flags = ["--device", "cpu", "--dataset", "synthetic", "--num-nodes", 2000, "--timeout", 120]
     results, seconds = two_machines("gcn_ddp.py", [flags, [*flags, "--num-neighbors", 5]])
     assert_one_line_error(results, "gcn_ddp.py", "takes 2 fan-outs")

@@ -13,13 +13,15 @@ from helpers import (
     needs_gpu,
     read_metrics,
     run_script,
+    sampler_missing,
     script_env,
     torchrun,
 )
 
 pytestmark = pytest.mark.slow  # left out of make test-quick
 
-pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
+if sampler_missing():
+    pytest.skip(sampler_missing(), allow_module_level=True)
 gcn = load_script("gcn_ddp")
 CPU = ["--device", "cpu"]
 SMALL = ["--num-nodes", 6000, "--batch-size", 256, "--hidden", 64]

@@ -3,7 +3,7 @@ alone, plain mp.spawn and plain errors) trains exactly as the full script: the s
 a few steps on 2 CPU ranks, and it runs under torchrun too."""
 import pytest
 import torch
-from helpers import max_abs_diff, run_script, torchrun
+from helpers import max_abs_diff, needs_sampler, run_script, torchrun
 
 pytestmark = pytest.mark.slow  # left out of make test-quick
 
@@ -25,7 +25,7 @@ RUNS = {
 @pytest.mark.parametrize("script", sorted(RUNS), ids=sorted(RUNS))
 def test_the_minimal_form_trains_exactly_as_the_full_script(tmp_path, data_args, script):
     if script == "gcn_ddp.py":
-        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+        needs_sampler()
     data = [] if script in ("gcn_ddp.py", "template_ddp.py") else data_args
     extra = ["--snapshot", tmp_path / "snapshot.pt"] if script == "mnist_ddp_resume.py" else []
     weights = {}

@@ -8,22 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import REPO, SCRIPTS, load_script, max_abs_diff, read_metrics, run_script
-
-sys.path.insert(0, str(REPO / "notebooks"))
-import course_helpers  # noqa: E402
+from helpers import SCRIPTS, load_script, max_abs_diff, read_metrics, run_script
 
 SCRIPT = SCRIPTS / "mnist_model_parallel.py"
 WIDTH, BATCH, STEPS, LR = 64, 64, 10, 0.01
-
-
-@pytest.fixture(scope="module")
-def smoke_args():
-    """The small copy of the data (data/smoke), made from data/ if it is not there yet."""
-    folder = REPO / "data" / "smoke"
-    dataset = "mnist" if (REPO / "data" / "MNIST" / "raw").exists() else "fashion-mnist"
-    course_helpers.small_copy(dataset, folder)
-    return ["--dataset", dataset, "--data-dir", str(folder)]
 
 
 def plain_mlp(width):
@@ -32,9 +20,9 @@ def plain_mlp(width):
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
-def one_process(smoke_args, batch, steps=STEPS, width=WIDTH):
+def one_process(data_args, batch, steps=STEPS, width=WIDTH):
     """The reference: one process, the plain model, the first `steps` batches in order."""
-    dataset, data_dir = smoke_args[1], smoke_args[3]
+    dataset, data_dir = data_args[1], data_args[3]
     images, labels = load_script("mnist_model_parallel").load_split(dataset, data_dir, train=True)
     torch.manual_seed(0)
     model = plain_mlp(width)
@@ -47,11 +35,11 @@ def one_process(smoke_args, batch, steps=STEPS, width=WIDTH):
     return model.state_dict()
 
 
-def train(tmp_path, smoke_args, mode, *args):
+def train(tmp_path, data_args, mode, *args):
     weights, metrics = tmp_path / f"{mode}.pt", tmp_path / f"{mode}.json"
     r = run_script(SCRIPT.name, "--mode", mode, "--nprocs", "2", "--width", WIDTH, "--batch-size", BATCH,
                    "--lr", LR, "--max-steps", STEPS, "--no-shuffle", "--save", weights, "--metrics-json",
-                   metrics, "--quiet", *smoke_args, *args, timeout=180,
+                   metrics, "--quiet", *data_args, *args, timeout=180,
                    fresh=mode == "pp")  # its ranks started by a real spawn (tests/launcher.py)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("done:"), r.stdout
@@ -59,19 +47,19 @@ def train(tmp_path, smoke_args, mode, *args):
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel(tmp_path_factory, smoke_args):
-    return train(tmp_path_factory.mktemp("tp"), smoke_args, "tp")
+def tensor_parallel(tmp_path_factory, data_args):
+    return train(tmp_path_factory.mktemp("tp"), data_args, "tp")
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, smoke_args):
-    return train(tmp_path_factory.mktemp("pp"), smoke_args, "pp", "--microbatches", "4")
+def pipeline(tmp_path_factory, data_args):
+    return train(tmp_path_factory.mktemp("pp"), data_args, "pp", "--microbatches", "4")
 
 
 @pytest.fixture(scope="module")
-def reference(smoke_args):
+def reference(data_args):
     """One process on the same global batches, and the control: one process with half the batch."""
-    return one_process(smoke_args, BATCH), one_process(smoke_args, BATCH // 2)
+    return one_process(data_args, BATCH), one_process(data_args, BATCH // 2)
 
 
 def check_matches_one_process(weights, metrics, reference):
@@ -123,18 +111,18 @@ def refusal(monkeypatch, capsys, *argv):
     return message
 
 
-def test_tensor_parallel_refuses_a_width_the_ranks_cannot_split(monkeypatch, capsys, smoke_args):
-    message = refusal(monkeypatch, capsys, "--mode", "tp", "--nprocs", 3, *smoke_args)
+def test_tensor_parallel_refuses_a_width_the_ranks_cannot_split(monkeypatch, capsys, data_args):
+    message = refusal(monkeypatch, capsys, "--mode", "tp", "--nprocs", 3, *data_args)
     assert message == ("mnist_model_parallel.py: error: --width 2048 does not split evenly over --nprocs 3 "
                        "(tensor parallelism gives each process width/nprocs features)")
 
 
-def test_pipeline_refuses_micro_batches_that_do_not_divide_the_batch(monkeypatch, capsys, smoke_args):
+def test_pipeline_refuses_micro_batches_that_do_not_divide_the_batch(monkeypatch, capsys, data_args):
     message = refusal(monkeypatch, capsys, "--mode", "pp", "--batch-size", 64, "--microbatches", 5,
-                      *smoke_args)
+                      *data_args)
     assert "--microbatches 5 does not divide --batch-size 64" in message
 
 
-def test_pipeline_refuses_more_stages_than_the_mlp_has_layers(monkeypatch, capsys, smoke_args):
-    message = refusal(monkeypatch, capsys, "--mode", "pp", "--nprocs", 4, *smoke_args)
+def test_pipeline_refuses_more_stages_than_the_mlp_has_layers(monkeypatch, capsys, data_args):
+    message = refusal(monkeypatch, capsys, "--mode", "pp", "--nprocs", 4, *data_args)
     assert "--nprocs 4: the MLP has 3 linear layers, so at most 3 pipeline stages" in message

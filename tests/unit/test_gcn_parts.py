@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from graph_files import write_ogbn_products_raw
-from helpers import OFFLINE, load_script, refused_before_spawn
+from helpers import OFFLINE, load_script, needs_sampler, refused_before_spawn
 
 pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
 gcn = load_script("gcn_ddp")
@@ -55,10 +55,12 @@ def test_missing_sampler_library_is_refused_with_the_command(monkeypatch):
 
 
 def test_more_gpu_ranks_than_gpus_is_refused(monkeypatch):
+    needs_sampler()
     assert "3 processes but 2 visible GPU(s)" in refused(monkeypatch, ["--nprocs", "3"], gpus=2)
 
 
 def test_fan_outs_must_match_the_layers(monkeypatch):
+    needs_sampler()
     assert "2 fan-outs" in refused(monkeypatch, [*CPU, "--num-neighbors", "15,10,5"])
 
 
@@ -83,6 +85,7 @@ def test_sampling_workers_by_default(monkeypatch, device, cores, nprocs, workers
 def test_dropout_must_be_a_probability(rate, capsys, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(gcn, "leave", sys.exit)  # run_main ends through leave(): os._exit
     with pytest.raises(SystemExit) as exit_info:
         gcn.run_main(["--dropout", rate])
     message = capsys.readouterr().err
@@ -148,6 +151,7 @@ def test_ogbn_products_without_ogb_says_what_to_install(monkeypatch, tmp_path):
 
 
 def test_fp16_on_cpu_is_refused(monkeypatch):
+    needs_sampler()
     assert "--amp fp16 needs a GPU" in refused(monkeypatch, [*CPU, "--amp", "fp16"])
 
 
@@ -159,6 +163,7 @@ def test_eval_subset_is_fixed_and_capped():
 
 
 def test_batch_figure_assigns_hops_along_sampled_edges(tmp_path):
+    needs_sampler()
     import sys
 
     from helpers import REPO
@@ -218,6 +223,7 @@ def test_batches_for_a_gpu_come_in_pinned_memory(monkeypatch, device, pinned):
 
 
 def test_a_graph_larger_than_the_free_shared_memory_is_refused(monkeypatch):
+    needs_sampler()
     """Under mp.spawn the graph goes to /dev/shm; with too little there (a container's 64 MB), one
     line says so, before any rank starts, instead of every rank dying of a bus error."""
     if not os.path.isdir("/dev/shm"):
@@ -229,6 +235,7 @@ def test_a_graph_larger_than_the_free_shared_memory_is_refused(monkeypatch):
 
 
 def test_amazon_products_offline_without_files_is_refused(monkeypatch, tmp_path):
+    needs_sampler()
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
     line = refused(monkeypatch, [*CPU, "--dataset", "amazon-products", "--data-dir", str(tmp_path)])
@@ -236,6 +243,7 @@ def test_amazon_products_offline_without_files_is_refused(monkeypatch, tmp_path)
 
 
 def test_ogbn_products_offline_without_files_is_refused_and_leaves_nothing(monkeypatch, tmp_path):
+    needs_sampler()
     pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)

@@ -3,7 +3,7 @@ is present: more processes than GPUs, no NCCL, bf16 on a GPU without it, a rank 
 past the GPUs; the GPU each check asks about (by index); and what a GPU step asks of the host (no
 index tensor copied per step; on a GPU, the synchronisations per step counted)."""
 import pytest
-from helpers import load_script, needs_gpu, refused_before_spawn
+from helpers import load_script, needs_gpu, needs_sampler, refused_before_spawn
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
 
@@ -47,7 +47,7 @@ def test_the_gpu_checks_ask_about_this_processs_gpu_by_index(monkeypatch, script
     launcher: GPU 0; under torchrun: the rank's LOCAL_RANK). Asked with no index, CUDA would start on
     the current device, GPU 0, in every rank of the machine."""
     if script == "gcn_ddp":
-        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+        needs_sampler()
     module = load_script(script)
     asked = []
 
@@ -82,7 +82,7 @@ def test_bf16_with_a_rank_that_has_no_gpu_is_refused_not_crashed(monkeypatch, sc
     checked before the GPU is asked for its capability, which for a missing index fails with an
     AssertionError traceback (and the other ranks would wait --timeout)."""
     if script == "gcn_ddp":
-        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+        needs_sampler()
     module = load_script(script)
 
     def capability(device=None):

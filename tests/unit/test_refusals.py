@@ -6,7 +6,7 @@ import socket
 import sys
 
 import pytest
-from helpers import OFFLINE, load_script, refused_in_process
+from helpers import OFFLINE, load_script, needs_sampler, refused_in_process
 
 CPU_ONLY = {"mnist_ddp_gpu": ["--backend", "gloo", "--device", "cpu"]}  # runs without a GPU
 MNIST = ["mnist_single", "mnist_ddp_cpu", "mnist_ddp_gpu"]
@@ -66,7 +66,7 @@ def test_master_port_in_use(monkeypatch, data_args, name):
 def test_output_that_cannot_be_written_is_refused_before_training(monkeypatch, blocker, name, flag):
     """Not after an hour of training."""
     if name == "gcn_ddp":
-        pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+        needs_sampler()
     extra = {"gcn_ddp": ["--device", "cpu", "--num-nodes", "2000"],
              "mnist_ddp_resume": ["--backend", "gloo", "--device", "cpu"],
              "mnist_ddp_comm": ["--backend", "gloo", "--device", "cpu"]}.get(name, [])
