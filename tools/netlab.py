@@ -13,6 +13,7 @@ latency. The file system is shared: the repository and its .venv are the same in
     python3 tools/netlab.py up --rate 1gbit           # make the lab (removes a stale one first)
     python3 tools/netlab.py run host0 -- hostname     # run a command in a host
     python3 tools/netlab.py set-rate 100mbit          # change the bandwidth (none: uncapped)
+    python3 tools/netlab.py link host1 down           # cut host1 off (link host1 up: back)
     python3 tools/netlab.py status
     python3 tools/netlab.py down                      # remove everything the lab made
 
@@ -319,15 +320,38 @@ class Lab:
             raise LabError(f"netlab: no host {host!r} in lab {self.prefix!r} "
                            f"(hosts: {', '.join(self.hosts)})")
 
-    def link(self, host, state):
+    def link(self, host, state, forget_neighbours=True):
         """Take a host's end of the link "down" (the host is cut off, as when its cable, switch or
-        power goes: no connection is closed, its packets just stop) or bring it back "up"."""
+        power goes: no connection is closed, its packets just stop) or bring it back "up".
+
+        Up, it returns once both hosts can talk at once. The link's state is not enough for that:
+        traffic sent to a host while it was cut off leaves the sender's neighbour (ARP) entry for it
+        unresolved (INCOMPLETE), and a packet queued on that entry when its last probe goes
+        unanswered fails with EHOSTUNREACH, "No route to host", link up or not; the next packet
+        resolves it again. So `up` flushes both hosts' neighbour tables (forget_neighbours). A real
+        network does not: forget_neighbours=False leaves them as the cut left them, to see what a
+        machine meets for a few seconds after a real network blip."""
         self.check_host(host)
         if state not in ("up", "down"):
             raise LabError(f"netlab: link state {state!r}: say up or down")
         _sh("ip", "-n", self.namespace(host), "link", "set", IFNAME, state)
         if state == "up":
             self.wait_for_link()
+            if forget_neighbours:
+                self.forget_neighbours()
+
+    def neighbours(self, host):
+        """The host's neighbour (ARP) entries on the lab's link: {address: state}, e.g.
+        {"10.77.0.2": "REACHABLE"}; "INCOMPLETE" while an address is being resolved, "FAILED" when
+        its probes went unanswered."""
+        self.check_host(host)
+        out = _sh("ip", "-n", self.namespace(host), "neigh", "show", "dev", IFNAME).stdout
+        return {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.strip()}
+
+    def forget_neighbours(self):
+        """Flush both hosts' neighbour tables: each resolves the other afresh at its next packet."""
+        for h in self.hosts:
+            _sh("ip", "-n", self.namespace(h), "neigh", "flush", "dev", IFNAME)
 
     def wait_for_link(self, seconds=10.0):
         """Return once both ends of the link are operationally up: a veth's peer sees its carrier come
@@ -436,6 +460,8 @@ def main(argv=None):
                                help="cut a host off (link HOST down) or bring it back (link HOST up)")
     link.add_argument("host")
     link.add_argument("state", choices=("up", "down"))
+    link.add_argument("--keep-neighbours", action="store_true",
+                      help="up: keep the neighbour (ARP) entries the cut left, as a real network does")
     run = commands.add_parser("run", parents=[prefix], help="run a command in a host: run HOST -- CMD ...")
     run.add_argument("host")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -463,7 +489,7 @@ def main(argv=None):
             lab.set_rate(args.rate)
             print(f"lab {lab.prefix}: rate {lab.current_rate()}")
         elif args.action == "link":
-            Lab.existing(args.prefix).link(args.host, args.state)
+            Lab.existing(args.prefix).link(args.host, args.state, forget_neighbours=not args.keep_neighbours)
             print(f"lab {args.prefix}: {args.host}'s link {args.state}")
         elif args.action == "run":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
