@@ -101,6 +101,7 @@ figures: $(BASE)  ## redraw the figures that need no benchmark run (the GCN batc
 	$(PY) tools/draw_sampled_batch.py
 	$(PY) tools/draw_sharding.py
 	$(PY) tools/draw_parallelisms.py
+	$(PY) tools/draw_inside_results.py
 
 study-times: $(DEV)  ## rewrite each lesson's study-time estimate (and the README's) from its words and exercises
 	$(PY) tools/study_time.py --write

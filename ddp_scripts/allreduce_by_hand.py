@@ -1,16 +1,17 @@
 """DDP from the inside: the all-reduce built by hand, as a ring of point-to-point messages.
 
     python allreduce_by_hand.py --nprocs 3                            # check it against dist.all_reduce
-    python allreduce_by_hand.py --mode measure --json allreduce.json  # time both, fit T = alpha + n / beta
+    python allreduce_by_hand.py --mode measure --json allreduce.json  # time both, fit lesson 6's model
 
 ring_all_reduce() sums a tensor over all ranks with nothing but dist.isend and dist.irecv, as a ring
-(one of the algorithms NCCL and Gloo use for large tensors): a reduce-scatter then an all-gather, each
-N - 1 steps around the ring, so that every rank sends 2 (N - 1) / N times the tensor's bytes, whatever N is.
+(the algorithm of Gloo's all-reduce, which it runs in segments at every size, and one of NCCL's): a
+reduce-scatter then an all-gather, each N - 1 steps around the ring, so that every rank sends
+2 (N - 1) / N times the tensor's bytes, whatever N is.
 --mode check compares it with dist.all_reduce on random tensors of awkward lengths (1, N - 1,
 primes) and counts the bytes each rank sends. --mode measure times both on float32 tensors from
-4 bytes to --max-mb MiB and fits lesson 6's cost model T = alpha + n / beta, where n is the bytes
-each rank sends (2 (N - 1) / N x the tensor's bytes): alpha is the latency of one whole all-reduce,
-beta the bandwidth of one rank's link. tools/draw_allreduce_cost.py draws the --json file.
+4 bytes to --max-mb MiB and fits lesson 6's cost model of a ring,
+t = 2 (N - 1) alpha + 2 (N - 1) / N x n / B: alpha the latency of one step of the ring, B the
+bandwidth of one rank's link, n the tensor's bytes. tools/draw_allreduce_cost.py draws the --json file.
 A teaching script, with none of the hardening of mnist_ddp_cpu.py.
 """
 import argparse
@@ -43,15 +44,18 @@ def ring_all_reduce(tensor, group=None):
     sent = 0
 
     def step(send, receive_into):
-        """Send one chunk to the right neighbour while receiving one from the left."""
+        """Send one chunk to the right neighbour while receiving one from the left. The receive is
+        posted first, as in Gloo's own ring: with two ranks, where both neighbours are the same peer,
+        a send posted first made many steps across a capped link up to twice as long (lesson 9,
+        section 4; docs/MEASURED.md)."""
         nonlocal sent
         works = []  # every rank knows every chunk's size: an empty chunk is skipped on both sides
+        if receive_into.numel():
+            works.append(dist.irecv(receive_into, group=group, group_src=left))
         if send.numel():
             works.append(dist.isend(send, group=group, group_dst=right))
             sent += send.numel() * send.element_size()
-        if receive_into.numel():
-            works.append(dist.irecv(receive_into, group=group, group_src=left))
-        for work in works:
+        for work in works:  # async: both messages are under way; wait() blocks until each is done
             work.wait()
 
     # Reduce-scatter: at step s, send chunk (rank - s), the one we added to at step s - 1, and add the
@@ -88,11 +92,14 @@ def check(rank, n, quiet):
                 x = torch.randn(shape, dtype=dtype)
             else:
                 x = torch.randint(-1000, 1000, shape, dtype=dtype)
-            ours, theirs = x.clone(), x.clone()
+            ours, theirs, magnitude = x.clone(), x.clone(), x.abs()
             sent = ring_all_reduce(ours)
             dist.all_reduce(theirs)
-            if dtype.is_floating_point:  # another order of additions: the last bits may differ
-                equal = torch.allclose(ours, theirs, atol=16 * torch.finfo(dtype).eps)
+            dist.all_reduce(magnitude)  # the sum of |x| over the ranks: what bounds the rounding
+            if dtype.is_floating_point:  # the same N - 1 additions in another order: each result is
+                # within (N - 1) eps / 2 x the sum of |x| of the exact sum; allowed: twice their gap
+                bound = 2 * (n - 1) * torch.finfo(dtype).eps * magnitude
+                equal = bool(((ours - theirs).abs() <= bound).all())
             else:
                 equal = torch.equal(ours, theirs)  # integers: exactly
             # Every reduce-scatter and all-gather step moves the whole tensor once, over all ranks:
@@ -144,14 +151,17 @@ def measure(rank, n, sizes, repeats, quiet):
     return times.quantile(0.5, dim=2)  # medians: sizes x (ring, torch)
 
 
-def fit(sent, seconds):
-    """Least squares on relative errors (every point weighs the same on log-log axes) of
-    T = alpha + sent / beta. Returns alpha in seconds and beta in bytes per second (None if the
-    times do not grow with the bytes)."""
-    x, t = torch.tensor(sent, dtype=torch.float64), torch.tensor(seconds, dtype=torch.float64)
-    a = torch.stack([torch.ones_like(x), x], dim=1) / t[:, None]  # each row divided by its time
-    alpha, inverse_beta = torch.linalg.lstsq(a, torch.ones_like(t)[:, None]).solution[:, 0].tolist()
-    return alpha, (1 / inverse_beta if inverse_beta > 0 else None)
+def fit(n, sizes, seconds):
+    """Lesson 6's model of a ring all-reduce of `size` bytes over n ranks,
+    t = 2 (n - 1) alpha + 2 (n - 1) / n x size / B, fitted by least squares on relative errors
+    (every point weighs the same on log-log axes). Returns alpha, the latency of one step, in
+    seconds, and B, the bandwidth, in bytes per second (None if the times do not grow with the bytes)."""
+    steps = 2 * (n - 1)
+    x = torch.tensor([steps / n * size for size in sizes], dtype=torch.float64)  # bytes each rank sends
+    t = torch.tensor(seconds, dtype=torch.float64)
+    a = torch.stack([torch.full_like(x, steps), x], dim=1) / t[:, None]  # each row divided by its time
+    alpha, inverse_b = torch.linalg.lstsq(a, torch.ones_like(t)[:, None]).solution[:, 0].tolist()
+    return alpha, (1 / inverse_b if inverse_b > 0 else None)
 
 
 def cpu_name():
@@ -165,8 +175,9 @@ def cpu_name():
 
 
 def describe(fitted):
-    beta = fitted["beta_bytes_per_s"]
-    return f"alpha {1e6 * fitted['alpha_s']:.1f} us, beta " + (f"{beta / 1e9:.3f} GB/s" if beta else "none")
+    bandwidth = fitted["bandwidth_bytes_per_s"]
+    return (f"alpha {1e6 * fitted['alpha_s']:.1f} us a step, B "
+            + (f"{bandwidth / 1e9:.3f} GB/s" if bandwidth else "not fitted"))
 
 
 def report(n, sizes, medians, args):
@@ -176,8 +187,8 @@ def report(n, sizes, medians, args):
             for size, s, (ring, gloo) in zip(sizes, sent, medians.tolist())]
     fits = {}
     for j, name in enumerate(("ring", "torch")):
-        alpha, beta = fit(sent, medians[:, j].tolist())
-        fits[name] = {"alpha_s": alpha, "beta_bytes_per_s": beta}
+        alpha, bandwidth = fit(n, sizes, medians[:, j].tolist())
+        fits[name] = {"alpha_s": alpha, "steps": 2 * (n - 1), "bandwidth_bytes_per_s": bandwidth}
     if not args.quiet:
         print(f"{'bytes':>11} {'sent/rank':>11} {'ms ring':>9} {'ms torch':>9} {'GB/s ring':>9} "
               f"{'GB/s torch':>10}")
@@ -185,7 +196,7 @@ def report(n, sizes, medians, args):
             print(f"{r['bytes']:>11,} {r['sent_bytes']:>11,.0f} {1e3 * r['ring_s']:9.3f} "
                   f"{1e3 * r['torch_s']:9.3f} {r['sent_bytes'] / r['ring_s'] / 1e9:9.3f} "
                   f"{r['sent_bytes'] / r['torch_s'] / 1e9:10.3f}")
-        print("fitted T = alpha + sent / beta (sent: the bytes each rank sends, 2 (N - 1) / N x bytes)")
+        print(f"fitted t = 2 (N - 1) alpha + 2 (N - 1) / N x bytes / B, N = {n}: {2 * (n - 1)} steps")
         for name, fitted in fits.items():
             print(f"  {name:5}: {describe(fitted)}")
     if args.json:
@@ -194,7 +205,8 @@ def report(n, sizes, medians, args):
         result = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine, "nprocs": n,
                   "backend": "gloo", "repeats": args.repeats,
                   "statistic": "median over the repeats of the slowest rank's time",
-                  "fitted": "T = alpha + sent / beta, sent = bytes each rank sends = 2 (N - 1) / N x bytes",
+                  "fitted": "t = 2 (N - 1) alpha + 2 (N - 1) / N x bytes / B: alpha a step's latency, "
+                            "B the bandwidth",
                   "rows": rows, "fit": fits}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -13,8 +13,9 @@ DistributedDataParallel does:
     flat        one all-reduce of all the gradients copied into one buffer, after backward
     overlap     a hook per parameter starts its gradient's all-reduce as soon as backward has
                 produced it, while backward goes on; the step waits for all of them
-    bucketed    gradients gathered, in the order backward produces them, into buckets (DDP's
-                sizes, or --bucket-mb); each bucket's all-reduce starts once it is full (DDP's way)
+    bucketed    gradients gathered, in the reverse order of the parameters, into buckets (DDP's
+                sizes, or --bucket-mb); each bucket's all-reduce starts once it is full (DDP starts
+                them in order; see the class)
 
 Each class wraps a model (`sync = Bucketed(model)`);
 `sync.finish_gradient_synchronization()` waits for the averaged gradients before `optimizer.step()`.
@@ -148,10 +149,11 @@ class Flat(PerTensor):
 
 
 class Overlap(PerTensor):
-    """A hook on each parameter starts its gradient's all-reduce as soon as backward has added it
-    up (async_op=True: the call returns at once, Gloo's threads do the sending), while backward
-    computes the gradients of the layers before. Every rank starts them in the same order, that
-    of backward. finish waits for all of them."""
+    """A hook on each parameter starts its gradient's all-reduce as soon as backward has accumulated
+    it into p.grad (register_post_accumulate_grad_hook: once per backward, after every use of p has
+    added its part), while backward computes the gradients of the layers before. async_op=True: the
+    call returns a handle at once and Gloo's own threads send and add; handle.wait() blocks until the
+    sum is in p.grad. Every rank starts them in the same order, that of backward. finish waits for all."""
 
     def __init__(self, model):
         super().__init__(model)
@@ -177,10 +179,16 @@ class Bucketed(PerTensor):
     """The gradients grouped into buckets, in the reverse order of the parameters (about the order
     in which backward produces them). When the last gradient of a bucket is ready, the bucket is
     copied into one buffer and its all-reduce starts, while backward goes on: fewer, bigger messages
-    than Overlap's, still overlapped. DDP's way, with DDP's sizes (torch 2.14.1, after its first
-    step, when it rebuilds its buckets in the order it saw the gradients come): a bucket closes once
-    it holds at least its cap, 1 MiB for the first bucket and 25 MiB for the others by default, or
-    bucket_mb for every bucket (DDP's bucket_cap_mb). A tensor is never split between buckets."""
+    than Overlap's, still overlapped. DDP's sizes (torch 2.14.1; the buckets DDP rebuilds after its
+    first step, which sends every gradient in one bucket): a bucket closes once it holds at least its
+    cap, 1 MiB for the first bucket and 25 MiB for the others by default, or bucket_mb for every
+    bucket (DDP's bucket_cap_mb); a tensor is never split between buckets.
+    Simpler than DDP, by design: DDP starts its buckets' all-reduces in order (a full bucket waits for
+    the ones before it), copies each gradient into its bucket as it arrives (multiplied by 1/N),
+    gives each dtype and device buckets of their own, and after its first step rebuilds its buckets
+    in the order the gradients came. This class starts any full bucket at once, copies a bucket when
+    it starts, assumes one dtype and device, and keeps the reversed order of the parameters. On the
+    course's models the buckets come out as DDP's (tests/unit/test_comm_buckets.py)."""
 
     def __init__(self, model, bucket_mb=None):
         super().__init__(model)
@@ -363,8 +371,9 @@ def parse_args(argv=None):
     if args.threads_per_proc is None:
         args.threads_per_proc = max(1, (os.cpu_count() or 1) // args.nprocs)
 
-    def present(name):
-        return os.path.exists(os.path.join(raw_dir(name, args.data_dir), "t10k-labels-idx1-ubyte"))
+    def present(name):  # all four files: a failed download leaves the folder, empty or partly filled
+        return all(os.path.exists(os.path.join(raw_dir(name, args.data_dir), f"{split}-{kind}-ubyte"))
+                   for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1"))
 
     if args.dataset is None:
         args.dataset = "mnist" if present("mnist") else "fashion-mnist"

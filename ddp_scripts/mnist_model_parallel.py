@@ -103,7 +103,8 @@ def tensor_parallel(model, mesh):
     Layer "2", ReLU: works on each rank's W/N features alone.
     Layer "3", Linear(W, W), row-wise: rank r holds the W x W/N columns of the weight that read its
         W/N features, and makes a partial sum of all W outputs. One all-reduce adds the N partial
-        sums (the bias, held whole, is added once): every rank then has the whole activation.
+        sums: every rank then has the whole activation. Its bias is held whole on every rank; each
+        rank adds bias/N to its partial sum, and the all-reduce sums them back to one bias.
     Layers "4" and "5", ReLU and Linear(W, 10): small, whole on every rank (plain tensors). They see
         the same activation and labels everywhere, so they get the same gradients without a collective.
     """
@@ -137,7 +138,7 @@ def train_tp(rank, world_size, args, model, images, labels):
         forward, backward = (CommDebugMode(), CommDebugMode()) if count else (nullcontext(), nullcontext())
         optimizer.zero_grad()
         with forward:
-            loss = F.cross_entropy(model(x), y)  # 3. one all-reduce (layer 3's output, B x W floats)
+            loss = F.cross_entropy(model(x), y)  # 3. one all-reduce (layer "3"'s output, B x W floats)
         with backward:
             loss.backward()  # 4. none: layer 1's input needs no gradient, the rest is local
             optimizer.step()  # 5. none: each rank steps its own shard
@@ -286,8 +287,9 @@ def parse_args(argv=None):
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "
                          f"{args.batch_size}: every micro-batch must have the same size")
 
-    def present(name):
-        return os.path.exists(os.path.join(raw_dir(name, args.data_dir), "t10k-labels-idx1-ubyte"))
+    def present(name):  # all four files: a failed download leaves the folder, empty or partly filled
+        return all(os.path.exists(os.path.join(raw_dir(name, args.data_dir), f"{split}-{kind}-ubyte"))
+                   for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1"))
 
     if args.dataset is None:
         args.dataset = "mnist" if present("mnist") else "fashion-mnist"

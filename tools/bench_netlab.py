@@ -6,23 +6,25 @@ never shows.
 At each rate of the link (uncapped, then 10 Gbit/s, 1 Gbit/s, 100 Mbit/s by default):
 1. **the all-reduce**, one rank per host: Gloo's and the ring by hand (`ring_all_reduce` and
    `measure` of ddp_scripts/allreduce_by_hand.py), from 4 bytes to 16 MiB; lesson 6's cost model
-   T = alpha + n / beta fitted to each (n: the bytes each rank sends; alpha from the small
-   messages, beta from the large ones: fit());
+   t = 2 (N - 1) alpha + 2 (N - 1) / N x n / B fitted to each (N = 2 ranks, n the tensor's bytes,
+   alpha the latency of one step of the ring from the small messages, B the bandwidth from the
+   large ones: fit());
 2. **2-rank training** of lesson 6's MLP (23 MB of gradients per step), one torchrun per host
    running ddp_scripts/mnist_ddp_comm.py unchanged, one rank each: plain DDP (default buckets), one
    bucket of 100 MB (nothing overlaps with backward), 1 MB buckets, gradient accumulation over 4
    micro-batches, and the fp16 and bf16 compression hooks; the same number of micro-batches each;
 3. **sharding** (lesson 10), at the rates of --shard-rates: ddp_scripts/mnist_fsdp.py on the same
-   MLP with AdamW, --shard ddp, zero and fsdp (FSDP moves about 1.5x DDP's bytes: an all-gather of
-   the parameters in forward and in backward, a reduce-scatter of the gradients).
+   MLP with AdamW, --shard ddp, zero and fsdp (FSDP all-gathers the parameters in forward and in
+   backward and reduce-scatters the gradients: on Gloo, whose reduce-scatter all-reduces the whole
+   tensor and keeps a chunk, twice DDP's bytes; 1.5x on NCCL).
 At each rate the configurations of 2 and 3 run in --runs rounds, each round every configuration
 once, in turn (so that a slow moment of the machine falls on all of them); a configuration's
 images/s is the median of its runs, reported as a ratio to plain DDP at the same rate, with the
-spread of its runs. Writes build/bench/netlab.json and figures/netlab_allreduce.png,
-figures/netlab_training.png.
+spread of its runs. Writes docs/measured/netlab.json and figures/netlab_allreduce.png,
+figures/netlab_training.png, figures/netlab_sharding.png.
 
     sudo .venv/bin/python tools/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--runs 3]
-    python tools/bench_netlab.py --draw build/bench/netlab.json      # the figures again, from a run
+    python tools/bench_netlab.py --draw docs/measured/netlab.json    # the figures again, from a run
 
 Needs root (network namespaces, tc); without it, one line saying so and exit code 77 (make bench
 counts it as skipped).
@@ -115,18 +117,22 @@ def measure_all_reduce(lab, max_mb, repeats):
     return {"rows": rows, "fit": {key: fit(rows, key) for key in ("ring", "torch")}}
 
 
-def fit(rows, key):
-    """T = alpha + sent / beta, each term from the sizes where it dominates: alpha the median time
-    of the messages of at most 4 KiB, beta from the messages of 1 MiB or more (least squares on
-    T - alpha against the bytes). A fit of every point at once (allreduce_by_hand.fit, on relative
-    errors) lets the noisy small messages of a shared machine pull beta off what the large ones show."""
+def fit(rows, key, n=2):
+    """Lesson 6's model of a ring all-reduce over n ranks, t = 2 (n - 1) alpha + sent / B (sent: the
+    bytes each rank sends, 2 (n - 1) / n x the tensor's), each term from the sizes where it
+    dominates: alpha from the median time of the messages of at most 4 KiB (2 (n - 1) steps of
+    alpha), B from the messages of 1 MiB or more (least squares on t - 2 (n - 1) alpha against the
+    bytes). A fit of every point at once (allreduce_by_hand.fit, on relative errors) lets the noisy
+    small messages of a shared machine pull B off what the large ones show."""
     import statistics
 
+    steps = 2 * (n - 1)
     small = [r[f"{key}_s"] for r in rows if r["sent_bytes"] <= 4096]
-    alpha = statistics.median(small) if small else 0.0
-    large = [(r["sent_bytes"], r[f"{key}_s"] - alpha) for r in rows if r["sent_bytes"] >= 1 << 20]
-    seconds_per_byte = (sum(n * t for n, t in large) / sum(n * n for n, _ in large)) if large else 0
-    return {"alpha_s": alpha, "beta_bytes_per_s": 1 / seconds_per_byte if seconds_per_byte > 0 else None}
+    fixed = statistics.median(small) if small else 0.0
+    large = [(r["sent_bytes"], r[f"{key}_s"] - fixed) for r in rows if r["sent_bytes"] >= 1 << 20]
+    seconds_per_byte = (sum(b * t for b, t in large) / sum(b * b for b, _ in large)) if large else 0
+    return {"alpha_s": fixed / steps, "steps": steps,
+            "bandwidth_bytes_per_s": 1 / seconds_per_byte if seconds_per_byte > 0 else None}
 
 
 def train(lab, script, flags, steps, data_dir, timeout):
@@ -215,18 +221,18 @@ def draw(data, out_dir=REPO / "figures"):
         ax.loglog(sent, [r["torch_s"] * 1e3 for r in result["rows"]], "o", color=colour, ms=4)
         ax.loglog(sent, [r["ring_s"] * 1e3 for r in result["rows"]], "x", color=colour, ms=4)
         fitted = fit(result["rows"], "torch")
-        beta = fitted["beta_bytes_per_s"]
-        label = f"{rate['label']}: alpha {fitted['alpha_s'] * 1e6:.0f} us, " + (
-            f"beta {beta * 8 / 1e9:.2f} Gbit/s" if beta else "beta not fitted")
-        if beta:
-            ax.loglog(sent, [(fitted["alpha_s"] + s / beta) * 1e3 for s in sent], "-", color=colour,
-                      label=label, lw=1.2)
+        bandwidth = fitted["bandwidth_bytes_per_s"]
+        label = f"{rate['label']}: alpha {fitted['alpha_s'] * 1e6:.0f} us a step, " + (
+            f"B {bandwidth * 8 / 1e9:.2f} Gbit/s" if bandwidth else "B not fitted")
+        if bandwidth:
+            ax.loglog(sent, [(fitted["steps"] * fitted["alpha_s"] + s / bandwidth) * 1e3 for s in sent], "-",
+                      color=colour, label=label, lw=1.2)
         else:
             ax.plot([], [], "-", color=colour, label=label)
     ax.set_xlabel("bytes each rank sends (2 ranks: the tensor's bytes)")
     ax.set_ylabel("one all-reduce, ms (median)")
-    ax.set_title("All-reduce across two lab hosts: o Gloo, x ring by hand, lines: T = alpha + n / beta",
-                 fontsize=9)
+    ax.set_title("All-reduce across two lab hosts: o Gloo, x ring by hand,\n"
+                 "lines: t = 2 (N - 1) alpha + 2 (N - 1) / N x n / B, N = 2", fontsize=9)
     ax.legend(fontsize=7.5, loc="upper left")
     ax.grid(True, which="both", alpha=0.25)
     fig.text(0.01, 0.005, f"{data['machine']}, {data['date'][:10]}", fontsize=7, color="0.4")
@@ -265,15 +271,15 @@ def draw(data, out_dir=REPO / "figures"):
 def report(data):
     names = [name for name, _, _ in TRAINING]
     print(f"\nmeasured on {data['machine']}, {data['date']}")
-    print(f"{'link':>10} {'Gloo alpha':>11} {'Gloo beta':>12} {'ring beta':>12}")
+    print(f"{'link':>10} {'Gloo alpha (a step)':>20} {'Gloo B':>12} {'ring B':>12}")
     for rate in data["rates"]:
         fits = {key: fit(rate["all_reduce"]["rows"], key) for key in ("ring", "torch")}
 
         def gbit(fitted):
-            beta = fitted["beta_bytes_per_s"]
-            return f"{beta * 8 / 1e9:.2f} Gbit/s" if beta else "-"
+            bandwidth = fitted["bandwidth_bytes_per_s"]
+            return f"{bandwidth * 8 / 1e9:.2f} Gbit/s" if bandwidth else "-"
 
-        print(f"{rate['label']:>10} {fits['torch']['alpha_s'] * 1e6:8.0f} us {gbit(fits['torch']):>12} "
+        print(f"{rate['label']:>10} {fits['torch']['alpha_s'] * 1e6:17.0f} us {gbit(fits['torch']):>12} "
               f"{gbit(fits['ring']):>12}")
     print(f"\nimages/s relative to plain DDP at the same rate, median of {data.get('runs', 1)} run(s) and "
           "the lowest to the highest run (plain DDP's images/s in brackets)")
@@ -302,7 +308,8 @@ def main():
     p.add_argument("--max-mb", type=float, default=16, help="the largest all-reduce, MiB")
     p.add_argument("--repeats", type=int, default=3, help="all-reduces per size (the median is kept)")
     p.add_argument("--data-dir", default=str(REPO / "data"))
-    p.add_argument("--json", default=str(REPO / "build" / "bench" / "netlab.json"))
+    p.add_argument("--json", default=str(REPO / "docs" / "measured" / "netlab.json"),
+                   help="where the run is written (committed: the figures and MEASURED are drawn from it)")
     p.add_argument("--draw", metavar="JSON", help="only redraw the figures from a run's JSON")
     p.add_argument("--figures", default=str(REPO / "figures"), help="where the figures go")
     args = p.parse_args()

@@ -3,11 +3,12 @@
     python ddp_scripts/allreduce_by_hand.py --mode measure --json build/allreduce.json
     python tools/draw_allreduce_cost.py build/allreduce.json [--out figures/allreduce_cost.png]
     python tools/draw_allreduce_cost.py        # measure first (make bench): build/bench/allreduce.json
+                                               # and latency_n2/3/4.json (tools/draw_inside_results.py)
 
 Reads the JSON that allreduce_by_hand.py writes: the measured medians of ring_all_reduce and
-dist.all_reduce on log-log axes, with the fitted T = alpha + sent / beta of each as a line (sent:
-the bytes each rank sends, 2 (N - 1) / N x the message), alpha and beta in the legend, and the
-machine and date of the measurement in the title.
+dist.all_reduce on log-log axes, with lesson 6's model of a ring fitted to each as a line,
+t = 2 (N - 1) alpha + 2 (N - 1) / N x size / B (alpha: one step's latency, B: the bandwidth),
+alpha and B in the legend, and the machine and date of the measurement in the title.
 """
 import argparse
 import json
@@ -21,8 +22,9 @@ LABELS = {"ring": "ring_all_reduce (by hand)", "torch": "dist.all_reduce (Gloo)"
 
 
 def fit_label(fit):
-    beta = fit["beta_bytes_per_s"]
-    return f"α = {1e6 * fit['alpha_s']:.0f} µs, β = " + (f"{beta / 1e9:.2f} GB/s" if beta else "none")
+    bandwidth = fit["bandwidth_bytes_per_s"]
+    return (f"α = {1e6 * fit['alpha_s']:.0f} µs a step, B = "
+            + (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "not fitted"))
 
 
 def draw(json_path, out_path=REPO / "figures" / "allreduce_cost.png"):
@@ -43,8 +45,9 @@ def draw(json_path, out_path=REPO / "figures" / "allreduce_cost.png"):
         ax.plot(sizes, [1e3 * r[f"{name}_s"] for r in rows], "o", color=COLOURS[name],
                 label=f"{LABELS[name]}, measured")
         fit = data["fit"][name]
-        beta = fit["beta_bytes_per_s"]
-        model = [1e3 * (fit["alpha_s"] + (share * size / beta if beta else 0)) for size in grid]
+        bandwidth = fit["bandwidth_bytes_per_s"]
+        model = [1e3 * (fit["steps"] * fit["alpha_s"] + (share * size / bandwidth if bandwidth else 0))
+                 for size in grid]
         ax.plot(grid, model, "-", color=COLOURS[name], lw=1, label=f"fit: {fit_label(fit)}")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -57,8 +60,8 @@ def draw(json_path, out_path=REPO / "figures" / "allreduce_cost.png"):
     ax.grid(True, which="major", color="#ddd", lw=0.6)
     ax.legend(fontsize=8, loc="upper left")
     machine = data["machine"]
-    ax.set_title(f"All-reduce over {data['nprocs']} processes, T = α + sent / β, sent = 2 (N - 1) / N × size "
-                 f"(median of {data['repeats']})\n{machine['cpu']}, {machine['cores']} cores, torch "
+    ax.set_title(f"All-reduce over N = {data['nprocs']} processes, fitted t = 2 (N - 1) α + 2 (N - 1) / N × "
+                 f"size / B (median of {data['repeats']})\n{machine['cpu']}, {machine['cores']} cores, torch "
                  f"{machine['torch']}, {data['date'][:10]}", fontsize=8)
     fig.tight_layout()
     out_path = Path(out_path)
@@ -80,6 +83,10 @@ def main():
         script = REPO / "ddp_scripts" / "allreduce_by_hand.py"
         command = [sys.executable, script, "--mode", "measure", "--nprocs", "2", "--json", args.json]
         subprocess.run(command, check=True)
+        for n in (2, 3, 4):  # the fixed cost against N: 4 B to 4 KiB, 50 repeats (lesson 9's figure)
+            subprocess.run([sys.executable, script, "--mode", "measure", "--nprocs", str(n), "--max-mb",
+                            str(4096 / 2**20), "--repeats", "50", "--quiet", "--json",
+                            args.json.with_name(f"latency_n{n}.json")], check=True)
     print(f"wrote {draw(args.json, args.out)}")
 
 

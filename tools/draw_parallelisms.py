@@ -26,8 +26,10 @@ BATCH = {"DDP": "B/2 samples each", "FSDP": "B/2 samples each", "tensor parallel
          "pipeline parallel": "all B, in M micro-batches"}
 SENT = {
     "DDP": "all-reduce of the gradients,\n2(N-1)/N x P per rank, once a step",
-    "FSDP": "all-gather each layer (forward, backward),\nreduce-scatter its gradients: 1.5x DDP's bytes",
-    "tensor parallel": "all-reduce of layer 2's output, B x W\nfloats in forward (none in backward here)",
+    "FSDP": "all-gather each layer (forward, backward),\nreduce-scatter its gradients: 1.5x DDP's\n"
+            "bytes on NCCL, 2x on Gloo (an all-reduce)",
+    "tensor parallel": "all-reduce of the second linear layer's output\n"
+                       "(module \"3\"), B x W floats, in forward\n(none in backward here)",
     "pipeline parallel": "each micro-batch's activation 0 -> 1 (B/M x W),\n"
                          "its gradient 1 -> 0; idle (N-1)/(M+N-1)",
 }

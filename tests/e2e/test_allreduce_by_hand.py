@@ -59,10 +59,12 @@ def test_one_rank_has_nothing_to_send(one_rank_group):
     assert torch.equal(x, torch.arange(5.0))
 
 
-def test_the_fit_recovers_alpha_and_beta():
-    sent = [4.0 ** k for k in range(1, 12)]
-    alpha, beta = by_hand.fit(sent, [50e-6 + s / 2e9 for s in sent])
-    assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(2e9, rel=1e-6)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_fit_recovers_lesson_6s_alpha_per_step_and_bandwidth(n):
+    """t = 2 (N - 1) alpha + 2 (N - 1) / N x size / B: alpha is one step's latency, as in lesson 6."""
+    sizes = [4.0 ** k for k in range(1, 12)]
+    alpha, bandwidth = by_hand.fit(n, sizes, [2 * (n - 1) * 50e-6 + 2 * (n - 1) / n * s / 2e9 for s in sizes])
+    assert alpha == pytest.approx(50e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
 
 
 def test_measure_writes_json_that_draws(tmp_path):
@@ -76,6 +78,7 @@ def test_measure_writes_json_that_draws(tmp_path):
     assert all(row["sent_bytes"] == row["bytes"] for row in data["rows"])  # N = 2: 2 (N - 1) / N = 1
     assert all(row["ring_s"] > 0 and row["torch_s"] > 0 for row in data["rows"])
     assert set(data["fit"]) == {"ring", "torch"} and data["machine"]["cpu"] and data["date"]
+    assert all(f["steps"] == 2 and f["alpha_s"] > 0 for f in data["fit"].values())  # N = 2: 2 steps
     assert draw_allreduce_cost.draw(path, png) == png
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ def runs(median):
 
 
 def a_run(rates=("none", "1gbit")):
-    """The shape of build/bench/netlab.json, with numbers chosen so that every ratio is known:
+    """The shape of docs/measured/netlab.json, with numbers chosen so that every ratio is known:
     training's k-th configuration k+1 times plain DDP, sharding (at the second rate only) ZeRO
     half DDP and FSDP a quarter; each configuration's runs 0.9x, 1x and 1.1x its median."""
     data = {"date": "2026-01-01T00:00:00", "machine": "a test machine", "micro_batches": 4, "runs": 3,
@@ -46,7 +46,9 @@ def test_the_report_gives_each_configuration_relative_to_plain_ddp_at_the_same_r
     n = len(names)  # k+1 times plain DDP at both rates, its runs 0.9x to 1.1x of that
     assert last.split()[-4:] == [f"{n:.2f}x", f"({0.9 * n:.2f}-{1.1 * n:.2f})"] * 2, lines
     out = "\n".join(lines)
-    assert "1.60 Gbit/s" in out and "0.16 Gbit/s" in out, out  # Gloo's beta, 2e8 B/s then 2e7 B/s
+    assert "1.60 Gbit/s" in out and "0.16 Gbit/s" in out, out  # Gloo's B, 2e8 B/s then 2e7 B/s
+    # alpha a step: half the small messages' median time (2 ranks: 2 steps), (0.500 + 0.520) / 2 / 2 ms
+    assert " 255 us" in out and "2551 us" in out, out
     sharding = lines[lines.index(next(line for line in lines if line.startswith("sharding"))):]
     assert sharding[0].split() == ["sharding", "1gbit"], sharding  # only the rate it ran at
     assert sharding[2].split() == ["ZeRO", "0.50x", "(0.45-0.55)"], sharding
