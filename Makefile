@@ -10,7 +10,7 @@ GRAPH  := $(VENV)/.installed-graph
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: help setup base graph data demo test test-quick lab notebooks html bench gpu-check kaggle \
-	minimal figures study-times netlab-up netlab-down clean
+	figures study-times netlab-up netlab-down clean
 .DEFAULT_GOAL := help
 
 $(BASE): requirements.txt constraints.txt
@@ -89,8 +89,6 @@ clean:  ## remove what the runs wrote (build/, notebooks/output/, caches)
 	rm -rf build notebooks/output .pytest_cache
 
 ##@ Maintainers: regenerate what is generated (a test fails when one is stale)
-minimal:  ## copy mnist_ddp_cpu.py's hardening into every DDP script, rewrite ddp_scripts/minimal/
-	$(PYTHON) tools/make_minimal.py --sync-hardening
 
 kaggle: $(DEV)  ## rewrite kaggle/ddp_t4x2.ipynb from ddp_scripts/
 	$(PY) tools/build_kaggle_notebook.py

@@ -14,10 +14,8 @@ t = 2 (N - 1) alpha + 2 (N - 1) / N x n / B: alpha the latency of one step of th
 bandwidth of one rank's link, n the tensor's bytes. tools/draw_allreduce_cost.py draws the --json file.
 A teaching script, with none of the hardening of mnist_ddp_cpu.py.
 """
-import argparse
 import json
 import os
-import socket
 import sys
 import time
 from datetime import datetime, timedelta
@@ -26,9 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-class UsageError(Exception):
-    """Something the user can fix: reported in one line, without a traceback."""
+try:  # the course's modules, written once: copy them beside this file
+    from ddp_hardening import Parser, UsageError, free_port, positive
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
 
 # --------------------------------------------------------------------------- the ring
@@ -243,25 +242,6 @@ def worker(rank, world_size, args):
 
 
 # --------------------------------------------------------------------------- command line
-def free_port():
-    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(f"{message} (see --help)")
-
-
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
 
 
 def parse_args(argv=None):

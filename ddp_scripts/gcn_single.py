@@ -4,172 +4,28 @@
     python gcn_single.py --amp bf16                               # on a GPU
     python gcn_single.py --dataset ogbn-products --eval-nodes 50000   # a real graph (1.4 GB download)
 
-Self-contained: copy it anywhere, it needs torch and torch_geometric, with pyg-lib or
-torch-sparse for the neighbour sampler (tqdm optional; ogb for ogbn-products, scipy for
-AmazonProducts). The baseline of gcn_ddp.py: the diff of the two is what DDP changes for a GNN.
+It needs gcn_parts.py (the graphs, the model, its scoring) and ddp_hardening.py beside it; torch
+and torch_geometric, with pyg-lib or torch-sparse for the neighbour sampler (tqdm optional; ogb for
+ogbn-products, scipy for AmazonProducts). The baseline of gcn_ddp.py: the diff of the two is what
+DDP changes for a GNN.
 """
-import argparse
-import json
 import os
-import shutil
-import socket
 import sys
-import threading
 import time
-import warnings
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-try:
-    from tqdm import tqdm
-    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
-except ImportError:  # the progress bar is optional
-    def tqdm(iterable, **kwargs):
-        return iterable
-
-
-class UsageError(Exception):
-    """Something the user can fix: reported in one line, without a traceback."""
-
-
-SAMPLER_HELP = ("NeighborLoader needs pyg-lib or torch-sparse: pip install torch_geometric pyg_lib "
-                "-f https://data.pyg.org/whl/torch-<version>+<cpu|cu1xx>.html (or, from source: "
-                "pip install --no-build-isolation torch-scatter torch-sparse)")
-
-
-# Quiet two library warnings that would be printed at every start: PyG's, that torch-sparse's sampler is
-# deprecated in favour of pyg-lib (both work), and torch's, about torch.jit.script in torch-sparse.
-warnings.filterwarnings("ignore", message=".*without a 'pyg-lib' installation")
-warnings.filterwarnings("ignore", message=".*torch.jit.script. is deprecated")
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # ogb's loader
-
-
-def check_sampler():
-    try:
-        import torch_geometric.typing as pyg_typing
-    except ImportError:
-        raise UsageError("torch_geometric is not installed: pip install torch_geometric") from None
-    if not (pyg_typing.WITH_PYG_LIB or pyg_typing.WITH_TORCH_SPARSE):
-        raise UsageError(SAMPLER_HELP)
+try:  # the course's modules, written once: copy them beside this file
+    from gcn_parts import (GCN, amazon_products, check_sampler, eval_subset, fan_outs, have_amazon_products,
+                           have_ogbn_products, loss_fn, metric_sums, metric_value, ogbn_products,
+                           probability, sort_edges, synthetic_graph, worker_count)
+    from ddp_hardening import (Parser, UsageError, check_writable, cpu_cores, positive, progress,
+                               write_metrics)
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
 
 # --------------------------------------------------------------------------- data
-def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
-    """A graph a GCN can learn from: communities (mostly same-class edges), skewed degrees
-    (a few hubs, many leaves), and features that are a weak class signal plus noise."""
-    from torch_geometric.data import Data
-    from torch_geometric.utils import coalesce, to_undirected
-
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, num_classes, (num_nodes,), generator=g)
-    # out-degrees from a log-normal: median 6, a long tail of hubs (capped at 300)
-    degree = torch.empty(num_nodes).log_normal_(mean=1.8, std=1.0, generator=g).clamp(1, 300).long()
-    src = torch.repeat_interleave(torch.arange(num_nodes), degree)
-    # 60% of edges stay inside the source's class, the rest go anywhere
-    by_class = torch.argsort(y)
-    class_start = torch.searchsorted(y[by_class], torch.arange(num_classes))
-    class_size = torch.bincount(y, minlength=num_classes)
-    pick = (torch.rand(len(src), generator=g) * class_size[y[src]]).long()
-    dst = by_class[class_start[y[src]] + pick]
-    anywhere = torch.rand(len(src), generator=g) < 0.4
-    dst[anywhere] = torch.randint(0, num_nodes, (int(anywhere.sum()),), generator=g)
-    keep = src != dst
-    edge_index = coalesce(to_undirected(torch.stack([src[keep], dst[keep]]), num_nodes=num_nodes))
-    centroids = torch.randn(num_classes, num_features, generator=g)
-    x = torch.randn(num_nodes, num_features, generator=g).add_(centroids.mul(0.12)[y])  # in place
-    perm = torch.randperm(num_nodes, generator=g)
-    n_train, n_val = int(0.6 * num_nodes), int(0.2 * num_nodes)
-    data = Data(x=x, edge_index=edge_index, y=y, num_nodes=num_nodes)
-    split = {"train": perm[:n_train], "val": perm[n_train:n_train + n_val],
-             "test": perm[n_train + n_val:]}
-    return data, split, "accuracy"
-
-
-# Where PyG and ogb keep each real graph once processed.
-PROCESSED = {"ogbn-products": os.path.join("ogbn_products", "processed", "geometric_data_processed.pt"),
-             "amazon-products": os.path.join("AmazonProducts", "processed", "data.pt")}
-
-
-def amazon_products(data_dir):
-    """PyG's AmazonProducts (1,569,960 nodes, 200 features, 107 classes, multi-label): downloaded
-    into data_dir/AmazonProducts/raw on first use, then processed once into processed/data.pt."""
-    from torch_geometric.datasets import AmazonProducts
-
-    root = os.path.join(data_dir, "AmazonProducts")
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(20)  # offline: fail in seconds, not minutes
-    try:
-        data = AmazonProducts(root)[0]
-    except (OSError, RuntimeError) as err:  # URLError is an OSError
-        raise UsageError(f"AmazonProducts is not in {root}/raw and could not be downloaded "
-                         f"({type(err).__name__}; offline?): run once online, or use --dataset "
-                         f"synthetic") from None
-    finally:
-        socket.setdefaulttimeout(previous)
-    split = {name: data[f"{name}_mask"].nonzero().view(-1) for name in ("train", "val", "test")}
-    data = data.__class__(x=data.x, edge_index=data.edge_index, y=data.y.float(), num_nodes=data.num_nodes)
-    return data, split, "micro_f1"
-
-
-def have_amazon_products(data_dir):
-    root = os.path.join(data_dir, "AmazonProducts")
-    return os.path.exists(os.path.join(data_dir, PROCESSED["amazon-products"])) or all(
-        os.path.exists(os.path.join(root, "raw", f))
-        for f in ("adj_full.npz", "feats.npy", "class_map.json", "role.json"))
-
-
-def ogbn_products(data_dir):
-    """OGB's ogbn-products (2,449,029 nodes, 100 features, 47 classes, one label per node) through
-    the ogb package: downloaded (1.4 GB) into data_dir/ogbn_products on first use, then processed
-    once into processed/geometric_data_processed.pt. Three quirks of ogb are handled here."""
-    sys.modules.setdefault("outdated", None)  # 1. skip ogb's import-time check of PyPI for a newer
-    try:                                      #    ogb: a thread without a timeout that can delay exit
-        import ogb.nodeproppred.dataset_pyg as ogb_pyg
-    except ImportError:
-        raise UsageError("--dataset ogbn-products needs the ogb package: pip install ogb") from None
-    from torch_geometric.data import Data
-
-    # 2. ogb asks on stdin before a download over 1 GB, and when an old copy lacks its RELEASE
-    #    file; ranks have no terminal. Asking for this dataset is the yes; an old copy is kept.
-    ogb_pyg.decide_download = lambda url: True
-    ogb_pyg.input = lambda prompt="": "n"
-    # 3. Its processed file holds PyG classes, which torch.load (weights_only, torch >= 2.6)
-    #    refuses unless they are allowed.
-    if hasattr(torch.serialization, "add_safe_globals"):
-        from torch_geometric.data.data import DataEdgeAttr, DataTensorAttr
-        from torch_geometric.data.storage import GlobalStorage
-
-        torch.serialization.add_safe_globals([DataEdgeAttr, DataTensorAttr, GlobalStorage])
-    root = os.path.join(data_dir, "ogbn_products")
-    existed = os.path.isdir(root)
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(20)  # offline: fail in seconds, not minutes
-    try:
-        dataset = ogb_pyg.PygNodePropPredDataset("ogbn-products", root=data_dir)
-    except (OSError, RuntimeError) as err:  # URLError is an OSError
-        if not existed:  # leave no half-made folder (ogb would later take it for an old release)
-            shutil.rmtree(root, ignore_errors=True)
-        raise UsageError(f"ogbn-products is not in {root} and could not be downloaded "
-                         f"({type(err).__name__}; offline?): run once online, or use --dataset "
-                         f"synthetic") from None
-    finally:
-        socket.setdefaulttimeout(previous)
-    data, idx = dataset[0], dataset.get_idx_split()
-    split = {"train": idx["train"], "val": idx["valid"], "test": idx["test"]}
-    data = Data(x=data.x, edge_index=data.edge_index, y=data.y.view(-1), num_nodes=data.num_nodes)
-    return data, split, "accuracy"
-
-
-def have_ogbn_products(data_dir):
-    root = os.path.join(data_dir, "ogbn_products")
-    return os.path.exists(os.path.join(data_dir, PROCESSED["ogbn-products"])) or all(
-        os.path.exists(os.path.join(root, f))
-        for f in ("RELEASE_v1.txt", "raw/edge.csv.gz", "raw/node-feat.csv.gz", "raw/node-label.csv.gz",
-                  "split/sales_ranking/train.csv.gz"))
-
-
 def load_dataset(args):
     """The graph, its node splits and its metric name."""
     if args.dataset == "auto":  # a real graph only if it is already on disk: it is gigabytes
@@ -185,62 +41,10 @@ def load_dataset(args):
     return load(args.data_dir)
 
 
-def sort_edges(data):
-    """Sort the edges by target once, so that the sampler reads them in place (CSC) instead of
-    building its own sorted copy."""
-    from torch_geometric.utils import sort_edge_index
-
-    data.edge_index = sort_edge_index(data.edge_index, num_nodes=data.num_nodes, sort_by_row=False)
-    return data
-
-
-def eval_subset(idx, limit, seed):
-    if limit is None or len(idx) <= limit:
-        return idx
-    return idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(seed))[:limit]]
-
-
 # --------------------------------------------------------------------------- model
-class GCN(nn.Module):
-    """Two GCNConv layers with ReLU and dropout between them: two hops of neighbourhood."""
-
-    def __init__(self, in_dim, hidden, out_dim, dropout=0.5):
-        super().__init__()
-        from torch_geometric.nn import GCNConv
-
-        self.conv1 = GCNConv(in_dim, hidden)
-        self.conv2 = GCNConv(hidden, out_dim)
-        self.dropout = dropout
-
-    def forward(self, x, edge_index):
-        x = F.relu(self.conv1(x, edge_index))
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        return self.conv2(x, edge_index)
 
 
 # --------------------------------------------------------------------------- training
-def loss_fn(out, y):
-    """Cross-entropy for one label per node; binary cross-entropy per class for multi-label y."""
-    if y.dim() == 2:
-        return F.binary_cross_entropy_with_logits(out, y)
-    return F.cross_entropy(out, y)
-
-
-def metric_sums(out, y):
-    """Counts that add up across batches and ranks: [correct, total, 0] for accuracy,
-    [true positives, false positives, false negatives] for micro-F1 (multi-label)."""
-    if y.dim() == 2:
-        pred, y = out > 0, y > 0.5
-        return torch.stack([(pred & y).sum(), (pred & ~y).sum(), (~pred & y).sum()]).double()
-    correct = (out.argmax(1) == y).sum().double()
-    return torch.stack([correct, correct.new_tensor(len(y)), correct.new_tensor(0)])
-
-
-def metric_value(totals, multi_label):
-    if multi_label:
-        tp, fp, fn = totals
-        return (2 * tp / (2 * tp + fp + fn).clamp(min=1)).item()
-    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 def neighbor_loader(data, nodes, sampler, args):
@@ -267,13 +71,6 @@ def evaluate(model, data, sampler, idx, args, device):
         totals += metric_sums(out, batch.y[:batch.batch_size])
     model.train()
     return metric_value(totals, data.y.dim() == 2)
-
-
-def write_metrics(path, metrics):
-    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
-    with open(f"{path}.part", "w") as f:
-        json.dump(metrics, f, indent=2)
-    os.replace(f"{path}.part", path)
 
 
 def train(data, split, metric, args):
@@ -390,46 +187,6 @@ def main(args):
 
 
 # --------------------------------------------------------------------------- command line
-def cpu_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(f"{message} (see --help)")
-
-
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
-
-
-def fan_outs(text):
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}") from None
-    if any(v == 0 or v < -1 for v in values):
-        raise argparse.ArgumentTypeError("each fan-out is a positive count, or -1 for all neighbours")
-    return values
-
-
-def worker_count(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"0 (sample in the training process) or more expected, got {text}")
-    return value
-
-
-def probability(text):
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"a probability in [0, 1) expected, got {text}")
-    return value
 
 
 def parse_args(argv=None):
@@ -471,44 +228,7 @@ def parse_args(argv=None):
     return args
 
 
-def check_writable(*paths):
-    """Refuse now, not after training, an output that cannot be written; create missing folders."""
-    for path in filter(None, paths):
-        folder = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as err:
-            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
-        if not os.access(folder, os.W_OK):
-            raise UsageError(f"cannot write {path}: no write permission in {folder}")
-
-
 # --------------------------------------------------------------------------- progress
-def progress(steps, desc, show):
-    """The steps of an epoch, their progress shown when `show`: tqdm's live bar in a terminal;
-    elsewhere (a notebook's cell, a log file) a line now and then, at most one every 5 s and 20 an
-    epoch, so that a long epoch is seen to move: "  [epoch 1] 40/94 steps, 1,234 samples/s, 12 s
-    left" (never "epoch 1: ...", which starts the epoch's own summary)."""
-    if not show:
-        return steps
-    if sys.stdout.isatty():
-        return tqdm(steps, desc=desc, leave=False)
-    return progress_lines(steps, desc)
-
-
-def progress_lines(steps, desc):
-    total, start, last, said, samples = len(steps), time.monotonic(), time.monotonic(), 0, 0
-    for done, step in enumerate(steps, 1):
-        yield step
-        size = getattr(step, "batch_size", None)  # a graph batch's seed nodes
-        first = next(iter(step.values())) if isinstance(step, dict) else (
-            step[0] if isinstance(step, (tuple, list)) else step)
-        samples += size if isinstance(size, int) else len(first)
-        now = time.monotonic()
-        if now - last >= 5 and said < 20 and done < total:
-            print(f"  [{desc}] {done}/{total} steps, {samples / (now - start):,.0f} samples/s, "
-                  f"{(total - done) * (now - start) / done:.0f} s left", flush=True)
-            last, said = now, said + 1
 
 
 if __name__ == "__main__":

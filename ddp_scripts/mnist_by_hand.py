@@ -24,13 +24,9 @@ https://ui.perfetto.dev or chrome://tracing). A teaching script: it reads the da
 mnist_single.py (or any lesson script) has prepared, and it has none of the hardening of
 mnist_ddp_cpu.py, which is the one to copy.
 """
-import argparse
 import json
-import math
 import os
-import socket
 import statistics
-import struct
 import sys
 import time
 from datetime import timedelta
@@ -38,75 +34,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-# --------------------------------------------------------------------------- data (as in lesson 1)
-FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
-MEAN_STD = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
-
-
-class UsageError(Exception):
-    """Something the user can fix: reported in one line, without a traceback."""
-
-
-def raw_dir(name, data_dir):
-    return os.path.join(data_dir, FOLDERS[name], "raw")  # torchvision's layout
-
-
-def read_idx(path):
-    """One file in MNIST's IDX format: 0, 0, 8 (unsigned bytes), the number of dimensions, each
-    size as a big-endian 32-bit integer, then the values."""
-    with open(path, "rb") as f:
-        data = bytearray(f.read())  # writable, as torch.frombuffer wants
-    try:
-        shape = struct.unpack_from(f">{data[3]}I", data, 4)
-    except (IndexError, struct.error):  # not even a whole header
-        shape = ()
-    offset = 4 + 4 * len(shape)
-    if data[:3] != b"\x00\x00\x08" or not shape or len(data) != offset + math.prod(shape):
-        raise UsageError(f"{path} is not a whole MNIST-format file (cut short by an interrupted "
-                         f"download or copy?): delete it and run again to fetch it anew")
-    return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
-
-
-def load_split(name, data_dir, train):
-    """Decode the whole split into tensors once: no per-sample PIL work while training."""
-    prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
-    images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
-    mean, std = MEAN_STD[name]
-    images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
-    return images, labels.long()
-
-
-class ConvNet(nn.Module):
-    """Two conv and two linear layers with dropout (Mastering PyTorch, chapter 11)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3)
-        self.conv2 = nn.Conv2d(16, 32, 3)
-        self.dropout1 = nn.Dropout(0.10)
-        self.dropout2 = nn.Dropout(0.25)
-        self.fc1 = nn.Linear(32 * 12 * 12, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
-        x = torch.flatten(self.dropout1(x), 1)
-        x = self.dropout2(F.relu(self.fc1(x)))
-        return self.fc2(x)  # logits
-
-
-def build_model(name):
-    if name == "mlp":  # 5.8M parameters: 23 MB of gradients to all-reduce per step, 20x the ConvNet's
-        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 2048), nn.ReLU(),
-                             nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
-    if name == "linear":  # Flatten + Linear (Graph Neural Networks in Action, 7.8)
-        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
-    return ConvNet()
+try:  # the course's modules, written once: copy them beside this file
+    from mnist_parts import build_model, have_files, load_split, raw_dir
+    from ddp_hardening import Parser, UsageError, free_port, positive
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
 
 # --------------------------------------------------------------------------- the gradients, four ways
@@ -311,25 +247,6 @@ def worker(rank, world_size, args):
 
 
 # --------------------------------------------------------------------------- command line
-def free_port():
-    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(f"{message} (see --help)")
-
-
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
 
 
 def parse_args(argv=None):
@@ -371,13 +288,9 @@ def parse_args(argv=None):
     if args.threads_per_proc is None:
         args.threads_per_proc = max(1, (os.cpu_count() or 1) // args.nprocs)
 
-    def present(name):  # all four files: a failed download leaves the folder, empty or partly filled
-        return all(os.path.exists(os.path.join(raw_dir(name, args.data_dir), f"{split}-{kind}-ubyte"))
-                   for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1"))
-
     if args.dataset is None:
-        args.dataset = "mnist" if present("mnist") else "fashion-mnist"
-    if not present(args.dataset):
+        args.dataset = "mnist" if have_files("mnist", args.data_dir) else "fashion-mnist"
+    if not have_files(args.dataset, args.data_dir):
         raise UsageError(f"no {args.dataset} files in {raw_dir(args.dataset, args.data_dir)}: run "
                          f"mnist_single.py once with the same --data-dir to prepare them")
     return args

@@ -4,41 +4,32 @@
     torchrun --nproc-per-node 2 template_ddp.py --epochs 1         # or let torchrun launch it
     python template_ddp.py --device cuda --epochs 5                # one process per visible GPU
 
-Self-contained: copy it anywhere, it needs only torch (tqdm optional). As it comes, it trains a
-small regression network on a synthetic data set that it writes itself, so that it runs before you
-change anything. To port a project, replace the functions of the YOUR PROJECT part (flags, data,
-model, optimizer, loss, evaluation sums, checks) and leave the rest: the DDP steps below them and
-the hardening below the fence (timeouts, one-line errors, a whole job that stops when one rank
-fails, torchrun's restarts and several machines) work for any project that fits these functions.
+Copy it with ddp_hardening.py beside it: the two files train in an empty folder as they come (a
+small regression network on a synthetic data set that the script writes itself), before you change
+anything; they need only torch (tqdm optional). To port a project, replace the functions of the YOUR
+PROJECT part (flags, data, model, optimizer, loss, evaluation sums, checks) and leave the rest: the
+DDP steps below them and the hardening module's calls (timeouts, one-line errors, a whole job that
+stops when one rank fails, torchrun's restarts and several machines) work for any project that fits
+these functions.
 """
-import argparse
-import json
 import os
-import socket
 import sys
-import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-try:
-    from tqdm import tqdm
-    tqdm.set_lock(threading.RLock())  # its default lock, a semaphore, leaks if a process is killed
-except ImportError:  # the progress bar is optional
-    def tqdm(iterable, **kwargs):
-        return iterable
-
-
-class UsageError(Exception):
-    """Something the user can fix: raise it anywhere for a one-line error, without a traceback."""
+try:  # the course's hardening module: copy it beside this file
+    import ddp_hardening as hardening  # each call into it says what plain code it stands for
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
+from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
 
 
 # =============================================================================== YOUR PROJECT
@@ -140,13 +131,6 @@ def evaluate(model, test_set, args, device, rank, world_size):
     return {n: (s / count).item() for n, s in zip(names, sums) if n != "count"}
 
 
-def write_metrics(path, metrics):
-    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
-    with open(f"{path}.part", "w") as f:
-        json.dump(metrics, f, indent=2)
-    os.replace(f"{path}.part", path)
-
-
 def train(rank, local_rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
@@ -174,7 +158,7 @@ def train(rank, local_rank, world_size, args):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
         # plain: bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
-        bar = progress(loader, f"epoch {epoch}", rank == 0 and not args.quiet)
+        bar = hardening.progress(loader, f"epoch {epoch}", rank == 0 and not args.quiet)
         for batch in bar:
             batch = to_device(batch, device)
             optimizer.zero_grad(set_to_none=True)
@@ -223,22 +207,15 @@ def worker(rank, world_size, args):
         torch.cuda.set_device(local_rank)  # before anything touches CUDA
     # 1. Join the process group; the timeout bounds every collective.
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=attempt_store(args.timeout),  # plain: nothing
+                            store=hardening.attempt_store(args.timeout),  # plain: nothing
                             timeout=timedelta(seconds=args.timeout))
     try:
         if "RANK" in os.environ and prepare_data:  # torchrun: the ranks prepare the data, in turns
             # plain: prepare_data(args)
-            prepare_in_turns(lambda _: prepare_data(args), None, rank, args.prepare_timeout)
+            hardening.prepare_in_turns(lambda _: prepare_data(args), None, rank, args.prepare_timeout)
         train(rank, local_rank, world_size, args)
     finally:
         dist.destroy_process_group()  # 7. tear down, even after an error
-
-
-def free_port():
-    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def check_device(args, gpu=0):
@@ -259,7 +236,7 @@ def check_device(args, gpu=0):
 def main(args):
     if "RANK" in os.environ:  # torchrun: this process is one rank; each checks itself first
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
+        hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
         worker(rank, world_size, args)
         return
     # Started by hand: check and prepare once, here; then --nprocs copies of this file.
@@ -267,28 +244,12 @@ def main(args):
     if prepare_data:
         prepare_data(args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
+    os.environ["MASTER_PORT"] = hardening.master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
     # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-    spawn_workers(worker, args.nprocs, args)
+    hardening.spawn_workers(worker, args.nprocs, args)
 
 
 # =============================================================================== command line
-def cpu_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(f"{message} (see --help)")
-
-
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
 
 
 def parse_args(argv=None):
@@ -315,7 +276,7 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     p.add_argument("--timeout", type=positive(int), default=300,
                    help="seconds any collective may wait for the other ranks before failing")
-    add_hardening_flags(p, prepare=prepare_data is not None)  # plain: nothing
+    hardening.add_hardening_flags(p, prepare=prepare_data is not None)  # plain: nothing
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
@@ -327,490 +288,5 @@ def parse_args(argv=None):
     return args
 
 
-def check_writable(*paths):
-    """Refuse now, not after training, an output that cannot be written; create missing folders."""
-    for path in filter(None, paths):
-        folder = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as err:
-            raise UsageError(f"cannot write {path}: cannot create {folder} ({err.strerror})") from None
-        if not os.access(folder, os.W_OK):
-            raise UsageError(f"cannot write {path}: no write permission in {folder}")
-
-
-# ================================================================================== hardening
-# Below this fence: what makes the lesson above safe on real clusters, the same block in every
-# DDP script of the course (a test keeps the copies identical). The part above reaches it through
-# the lines marked "# plain: ...", which say what each stands for; ddp_scripts/minimal/ holds each
-# script with those plain forms and without this part.
-# What it needs from the part above: the imports argparse, os, socket, sys, time, torch,
-# torch.distributed as dist, torch.multiprocessing as mp and datetime's timedelta; the names
-# UsageError (raised anywhere, it ends the job with its one line: a check that refuses raises it),
-# free_port(), positive(), parse_args() and main(args); the flags --timeout and --quiet.
-# What a copier may delete: any piece whose "# plain:" line is put back to its plain form, with the
-# functions only it calls; prepare_in_turns() with its flag (add_hardening_flags(p, prepare=False))
-# when the script has no data to put in place.
-
-def add_hardening_flags(parser, prepare=True):
-    if prepare:  # prepare_in_turns()'s timeout
-        parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
-                            help="under torchrun: seconds a rank may wait while others download "
-                                 "and prepare the data")
-    # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
-    # variable, which they set too, is what counts (as PyTorch recommends).
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-
-
-def progress(steps, desc, show):
-    """The steps of an epoch, their progress shown when `show`: tqdm's live bar in a terminal;
-    elsewhere (a notebook's cell, a log file) a line now and then, at most one every 5 s and 20 an
-    epoch, so that a long epoch is seen to move: "  [epoch 1] 40/94 steps, 1,234 samples/s, 12 s
-    left" (never "epoch 1: ...", which starts the epoch's own summary)."""
-    if not show:
-        return steps
-    if sys.stdout.isatty():
-        return tqdm(steps, desc=desc, leave=False)
-    return progress_lines(steps, desc)
-
-
-def progress_lines(steps, desc):
-    total, start, last, said, samples = len(steps), time.monotonic(), time.monotonic(), 0, 0
-    for done, step in enumerate(steps, 1):
-        yield step
-        size = getattr(step, "batch_size", None)  # a graph batch's seed nodes
-        first = next(iter(step.values())) if isinstance(step, dict) else (
-            step[0] if isinstance(step, (tuple, list)) else step)
-        samples += size if isinstance(size, int) else len(first)
-        now = time.monotonic()
-        if now - last >= 5 and said < 20 and done < total:
-            print(f"  [{desc}] {done}/{total} steps, {samples / (now - start):,.0f} samples/s, "
-                  f"{(total - done) * (now - start) / done:.0f} s left", flush=True)
-            last, said = now, said + 1
-
-
-def master_port():
-    """A port for rank 0 to listen on: the user's MASTER_PORT if it is free, else one the OS picks.
-    A busy one is refused now, in one line, rather than by every worker with a traceback."""
-    if "MASTER_PORT" not in os.environ:
-        return str(free_port())
-    port = int(os.environ["MASTER_PORT"])
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            raise UsageError(f"MASTER_PORT={port} is already in use: choose another port "
-                             f"or unset MASTER_PORT to let the script pick a free one") from None
-    return str(port)
-
-
-def attempt_store(timeout):
-    """torchrun restarts the ranks (--max-restarts) in the store where the previous round's ranks
-    wrote their addresses, and a rank that reads one of those connects to a process that is gone
-    (pytorch/pytorch#135712). Each rendezvous round gets keys of its own; None (not torchrun, or
-    no store shared by the agents): init_process_group's own store."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store, token = this_round(timeout)
-    return dist.PrefixStore(f"round-{token}/", store)
-
-
-_ROUND = []  # (agent's store, this round's token), once per process
-
-
-def this_round(timeout):
-    """torchrun: a client of the agents' store, and a token that every rank of this rendezvous round
-    gets, and no rank of another round. Not TORCHELASTIC_RESTART_COUNT: each torchrun agent counts
-    its own restarts, and one whose ranks were restarted because another machine failed does not
-    count it (pytorch/pytorch#108158), so the ranks of one round can hold different counts, and
-    the ranks of two rounds the same. Rank 0 draws the token; every other rank keeps writing fresh
-    numbers under its own key until rank 0 has seen one change (a rank of an earlier round wrote
-    its last number long ago, and is gone) and answered it with the token."""
-    if _ROUND:
-        return _ROUND[0]
-    import uuid
-
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    prefix, deadline = f"round/{os.environ.get('TORCHELASTIC_RUN_ID')}/", time.monotonic() + timeout
-
-    def read(key):
-        return store.get(key) if store.check([key]) else None
-
-    if rank == 0:
-        token = uuid.uuid4().hex
-        earlier = {r: read(f"{prefix}hello/{r}") for r in range(1, world_size)}
-        while earlier:
-            for r, before in list(earlier.items()):
-                now = read(f"{prefix}hello/{r}")
-                if now is not None and now != before:  # written by a live rank of this round
-                    store.set(f"{prefix}answer/{r}", now + b" " + token.encode())
-                    del earlier[r]
-            if earlier and time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(earlier)} did not report within {timeout} s")
-            time.sleep(0.05)
-    else:
-        mine = set()
-        while True:
-            number = uuid.uuid4().hex.encode()
-            mine.add(number)
-            store.set(f"{prefix}hello/{rank}", number)
-            time.sleep(0.05)
-            answer = read(f"{prefix}answer/{rank}")
-            if answer and answer.split(b" ")[0] in mine:
-                token = answer.split(b" ")[1].decode()
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank 0 did not answer within {timeout} s")
-    _ROUND.append((store, token))
-    return _ROUND[0]
-
-
-def roll_call(check, args, rank, world_size, timeout=None):
-    """torchrun: every rank runs check(args, rank) (GPUs, libraries, output paths) and tells all
-    the others how it went, through torchrun's store, before any rank joins the process group. A
-    refusal on one machine then stops every rank within seconds, said once, by rank 0; without the
-    roll call the other machines would wait --timeout for a rank that has gone. On a refusal every
-    rank exits with code 1."""
-    timeout = timeout or args.timeout
-    problem = ""
-    try:
-        check_network()
-        check(args, rank)
-    except UsageError as err:
-        problem = str(err) if rank == 0 else f"{err} (rank {rank}, on {socket.gethostname()})"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # RANK set by hand: no store yet
-        if problem:
-            say(problem)
-            sys.exit(1)
-        return
-    try:
-        store, token = this_round(timeout)  # keys of this rendezvous round only
-        prefix = f"roll-call/{token}/"
-        keys = [f"{prefix}{r}" for r in range(world_size)]
-        store.set(keys[rank], problem)
-        store.wait(keys)  # every rank has reported
-        problems = [p for p in (store.get(key).decode() for key in keys) if p]
-        store.add(prefix + "read", 1)
-        # Stay until all have read them: the store lives in rank 0's torchrun, which stops when
-        # one of its ranks ends.
-        deadline = time.monotonic() + timeout
-        while problems and store.add(prefix + "read", 0) < world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except RuntimeError:  # torch's DistError: a rank did not report in time, or the store is gone
-        if problem or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per machine
-            say(problem or f"not every rank reported for the roll call (waited up to --timeout "
-                           f"{timeout} s): look for the error in each machine's output")
-            sys.exit(1)
-        exit_after_the_speaker()
-    if problems:
-        # Rank 0 says the first; torchrun --max-restarts starts a refused job again, to be refused
-        # again: only the first attempt says it.
-        said = f"roll-call/{os.environ.get('TORCHELASTIC_RUN_ID')}/said/{problems[0]}"
-        if rank == 0:
-            if store.add(said, 1) == 1:
-                say(problems[0])
-            sys.exit(1)
-        exit_after_the_speaker()
-
-
-def prepare_in_turns(prepare, first, rank, timeout):
-    """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
-    download into the same folder at once. Rank 0 goes first, with choice=first, and decides (e.g.
-    what --dataset auto means): what it returns is the choice of every later turn. Then the first
-    process of each other machine: it downloads a copy only where rank 0's files are not visible
-    (no shared filesystem). Then all the others, which find the files in place. A turn ends when
-    every rank knows that it went well; a UsageError in any rank stops all of them with its one
-    line. A first download can outlast --timeout, so the turns get a process group with a timeout
-    of their own (`timeout`, --prepare-timeout), a Gloo one whatever the training backend: the
-    waiting ranks wait on the CPU, not in a GPU collective (Gloo connects the group here, while no
-    rank is busy). Returns rank 0's choice."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    outcomes, choice = [None] * dist.get_world_size(), first
-    try:
-        for turn, mine in enumerate([rank == 0, rank != 0 and local_rank == 0, local_rank != 0]):
-            error = None
-            if mine:
-                try:
-                    choice = prepare(choice)
-                except UsageError as err:
-                    error = f"{err} (on {socket.gethostname()})" if turn == 1 else str(err)
-            dist.all_gather_object(outcomes, (error, choice), group=group)
-            errors = [e for e, _ in outcomes if e]
-            if errors:
-                raise UsageError(errors[0])
-            choice = outcomes[0][1]  # rank 0's decision, for every rank
-    finally:
-        dist.destroy_process_group(group)
-    return choice
-
-
-def quiet_interrupt_in_finalizer(unraisable):
-    """A Ctrl-C that lands while Python runs a finalizer (a __del__) cannot stop the worker there:
-    Python prints it as "Exception ignored in ..." with a traceback, and goes on. Say nothing: the
-    launcher, interrupted too, sends every worker a SIGINT of its own. Anything else: as usual."""
-    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
-        sys.__unraisablehook__(unraisable)
-
-
-def spawned_worker(rank, worker, stop, *worker_args):
-    """What mp.spawn runs in each new process. spawn_workers started it deaf to Ctrl-C: listen again
-    now, and stop at once if the job was interrupted meanwhile; then work, an error said once."""
-    import signal
-
-    sys.unraisablehook = quiet_interrupt_in_finalizer
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the launcher's handler
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        if not stop.is_set():
-            try:
-                worker(rank, *worker_args)
-            except UsageError as err:
-                said_once(err, rank)
-        code = 0
-    except SystemExit as exit_:  # said_once's exit code
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        # Deaf again: an interrupted worker gets a second SIGINT (the terminal's, then the
-        # launcher's), and one that lands after mp.spawn's wrapper has caught the first, on the
-        # way out, would print a traceback.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        exit_sooner()
-    leave(code)  # an exception other than SystemExit went on to mp.spawn's wrapper, its traceback
-
-
-def native_threads():
-    """This process's threads as the kernel counts them (Python's own count misses torch's), or
-    None where there is no /proc."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return None
-
-
-THREADS_AFTER_IMPORTS = native_threads()  # this line runs once the lesson's imports are done
-
-
-def start_method():
-    """How spawn_workers starts the workers: "fork" where it is safe, "spawn" (what mp.spawn does)
-    elsewhere. A forked worker starts with torch already imported, which saves it seconds; but fork
-    copies only the calling thread. It is safe when no thread has started here since the imports
-    (an OpenMP pool that a computation here started leaves a forked worker hung at its first
-    parallel operation) and there is no GPU (CUDA cannot be used in a child forked after the parent
-    has used it). DDP_START_METHOD=spawn, fork or forkserver decides instead."""
-    chosen = os.environ.get("DDP_START_METHOD")
-    if chosen:
-        if chosen not in mp.get_all_start_methods():
-            raise UsageError(f"DDP_START_METHOD={chosen} is not one of "
-                             f"{', '.join(mp.get_all_start_methods())} (or unset it)")
-        return chosen
-    if THREADS_AFTER_IMPORTS is not None and native_threads() == THREADS_AFTER_IMPORTS \
-            and "fork" in mp.get_all_start_methods() and not torch.cuda.is_available():
-        return "fork"
-    return "spawn"
-
-
-def exit_sooner():
-    """Python's last garbage collection at exit walks every object that torch's imports created
-    (about a second here); frozen, they are left to the operating system. Finalizers, atexit
-    functions and the flushing of open files still run."""
-    import gc
-
-    gc.freeze()
-
-
-def leave(code):
-    """End this process now with exit code `code`, the way multiprocessing ends a forked worker
-    (os._exit), after the atexit functions and with the output flushed: Python's own shutdown is
-    skipped. During that shutdown, on Python before 3.14, a thread of torch's that calls into
-    Python (for instance a Gloo thread dropping the last reference to a tensor that Python made)
-    is ended in the middle of C++ code, and the process aborts: "terminate called without an
-    active exception" (CPython gh-87135), a finished run reported as killed by SIGABRT. A file
-    still open is not flushed here: write through `with` blocks, as the lesson part does."""
-    import atexit
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def check_network():
-    """GLOO_SOCKET_IFNAME names the network interfaces Gloo binds to, a comma-separated list: one
-    that this machine lacks stops each rank in init_process_group with a C++ traceback."""
-    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
-    if not names or not hasattr(socket, "if_nameindex"):
-        return
-    present = sorted(name for _, name in socket.if_nameindex())
-    missing = [name for name in names if name not in present]
-    if missing:
-        raise UsageError(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']}: this machine has no "
-                         f"network interface {', '.join(missing)} (it has {', '.join(present)}): name "
-                         f"the interface of the network that the machines share, or unset it")
-
-
-def spawn_workers(worker, nprocs, *worker_args):
-    """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), the workers started as
-    start_method() says, and however the run ends, it ends whole: a worker that fails makes
-    mp.spawn stop the others, and Ctrl-C or SIGTERM here stops them too (mp.spawn's own join would
-    keep waiting while they train on)."""
-    import logging
-    import signal
-
-    check_network()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
-    # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
-    # failure; the one line this launcher prints says so already.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    method = start_method()
-    if method == "fork":  # DDP's constructor imports torch._dynamo (~1 s): once here, not per worker
-        import torch._dynamo  # noqa: F401
-    stop = mp.get_context(method).Event()  # set when interrupted, for workers still starting
-    try:
-        # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
-        # that a Ctrl-C while they import torch prints no traceback from each; they listen again
-        # in spawned_worker. This process stops them, below.
-        listening = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            workers = mp.start_processes(spawned_worker, args=(worker, stop, nprocs, *worker_args),
-                                         nprocs=nprocs, join=False, start_method=method)
-        finally:
-            signal.signal(signal.SIGINT, listening)
-        while not workers.join():  # True once all have finished; raises when one has failed
-            pass
-    except KeyboardInterrupt:  # pass it on to the workers started; kill any left after 10 s
-        stop.set()  # first: a worker still starting sees it once it listens, the others get SIGINT
-        started, deadline = mp.active_children(), time.monotonic() + 10
-        for process in started:
-            os.kill(process.pid, signal.SIGINT)
-        for process in started:
-            process.join(max(0, deadline - time.monotonic()))  # 10 s for all, not 10 s each
-            if process.is_alive():
-                process.kill()
-        raise
-    except mp.ProcessExitedException as err:  # a worker died or failed; spawn stopped the others
-        if err.error_index == 0 and err.exit_code == 1:  # rank 0 has printed why, in one line
-            sys.exit(1)
-        how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
-        raise UsageError(f"worker {err.error_index} ended with {how}; the other workers were "
-                         f"stopped") from None
-    except mp.ProcessRaisedException as err:  # an unexpected exception: show its traceback
-        print(err, file=sys.stderr)
-        raise UsageError("a worker raised the exception above; the other workers were stopped") \
-            from None
-
-
-def die_with_parent(parent_pid, worker_id=None):
-    """On Linux, ask the kernel to kill this process when its parent dies: a rank when its torchrun
-    agent dies (else the rank, in a session of its own, trains on, and the other machines' agents
-    wait for it), a sampling worker when its rank dies (else it stays, holding the job's output and
-    the shared graph). worker_id: DataLoader's argument to its worker_init_fn."""
-    import ctypes
-    import signal
-
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # the parent died before that took effect
-            os._exit(1)
-
-
-def say(problem):
-    print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr, flush=True)
-
-
-def said_once(err, rank):
-    """An error in the workers, which every rank may have met: rank 0 says it, in one line."""
-    if rank == 0:
-        say(err)
-        sys.exit(1)
-    exit_after_the_speaker()
-
-
-def exit_after_the_speaker():
-    """Exit code 1, quietly, a little later than the rank that says why: the launcher (or torchrun)
-    stops the other processes of a job as soon as one has ended, and would stop that rank before
-    it had spoken."""
-    time.sleep(2)
-    sys.exit(1)
-
-
-def run_main(argv=None):
-    """main(parse_args(argv)), with every way it can end said in one line: a mistake in the
-    command line (exit code 2; under torchrun it answers the roll call, so that a typo on one
-    machine stops every machine), an error found by a check or by the workers (1), Ctrl-C or
-    SIGTERM (130). However it ends, the process ends through leave(): after an error too, torch's
-    threads are still there to abort Python's shutdown (decision 8)."""
-    try:
-        end_in_one_line(argv)
-        code = 0
-    except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else 0 if end.code is None else 1
-    except BaseException:  # a bug: its traceback, then the same safe exit
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    leave(code)
-
-
-def end_in_one_line(argv):
-    """run_main's work: returns when main has finished; every other ending raises SystemExit with
-    its exit code, after its one line."""
-    rank = int(os.environ.get("RANK", 0))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank that torchrun's agent started: end with it
-        die_with_parent(os.getppid())
-    try:
-        args = parse_args(argv)
-    except UsageError as err:
-        problem = str(err)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            def refuse(args, rank):
-                raise UsageError(problem)
-            # 300: the parser's default --timeout, since this command line's own cannot be read.
-            roll_call(refuse, None, rank, int(os.environ["WORLD_SIZE"]), timeout=300)
-        say(problem)
-        sys.exit(2)
-    try:
-        main(args)
-    except UsageError as err:
-        if "RANK" in os.environ:  # torchrun: every rank may have met it; rank 0 says it
-            said_once(err, rank)
-        say(err)
-        sys.exit(1)
-    except RuntimeError as err:  # torch's DistError too
-        import re
-
-        lost = re.search(r"Connection (?:closed|reset) by peer(?: \[[^]]*\](?::\d+)?)?|Broken pipe", str(err))
-        unreachable = re.search(r"connectFullMesh failed with (?:\[[^]]*\] )?([^$\n]*)", str(err))
-        # Silence, not a closed connection: a machine whose network or power went, or a stuck rank.
-        silent = re.search(r"Timed out waiting \d+ms for \w+ operation to complete", str(err))
-        if not (lost or unreachable or silent) or "RANK" not in os.environ:  # a bug: its traceback,
-            raise                                                   # reported by mp.spawn's launcher
-        if int(os.environ.get("LOCAL_RANK", 0)) != 0:  # one line per machine
-            exit_after_the_speaker()
-        if lost:
-            say(f"rank {rank} lost its connection to another rank ({lost[0]}): a process or a "
-                f"machine of this job has gone; the first error in each machine's output says which")
-        elif silent:
-            say(f"rank {rank} on {socket.gethostname()} heard nothing from another rank within the timeout "
-                f"({silent[0]}): a machine of this job is off the network or down, or a rank is stuck "
-                f"(lesson 8's watchdog shows where); raise --timeout if one step can take longer")
-        else:  # Gloo's ranks did not reach each other
-            loopback = "remote=[127." in str(err)
-            say(f"rank {rank} on {socket.gethostname()} could not connect to the other ranks "
-                f"({unreachable[1].strip()}): "
-                + ("a rank gave a loopback address (its machine's GLOO_SOCKET_IFNAME is lo, or its "
-                   "hostname resolves to 127.0.1.1 in /etc/hosts); " if loopback else "")
-                + "set GLOO_SOCKET_IFNAME on every machine to the interface of the network they share")
-        sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; any workers have been stopped
-        if rank == 0:  # under torchrun, one line from rank 0
-            print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)
-        sys.exit(130)
-
-
 if __name__ == "__main__":
-    run_main()  # plain: main(parse_args())
+    hardening.run_main(main, parse_args)  # plain: main(parse_args())

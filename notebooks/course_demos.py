@@ -90,10 +90,10 @@ def draw(batch, out, title=None):
 def sample_batch(num_nodes=20_000, seeds=2, num_neighbors=(15, 10), seed=0):
     """A real batch from the lesson's synthetic graph, with the lesson's fan-out."""
     sys.path.insert(0, str(REPO / "ddp_scripts"))
-    import gcn_ddp
+    import gcn_parts
     from torch_geometric.loader import NeighborLoader
 
-    data, split, _ = gcn_ddp.synthetic_graph(num_nodes, seed=seed)
+    data, split, _ = gcn_parts.synthetic_graph(num_nodes, seed=seed)
     torch.manual_seed(seed)
     loader = NeighborLoader(data, num_neighbors=list(num_neighbors), batch_size=seeds,
                             input_nodes=split["train"][:seeds])
@@ -104,16 +104,16 @@ def sample_batch(num_nodes=20_000, seeds=2, num_neighbors=(15, 10), seed=0):
 def input_pipeline_rates(data_dir, dataset, n_batches=200, batch=64):
     """images/s of the input pipeline alone, one thread: per-image PIL transforms vs decoded tensors."""
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
     from torch.utils.data import DataLoader, TensorDataset
     from torchvision import datasets, transforms
 
     torch.set_num_threads(1)
-    mean, std = mnist_single.MEAN_STD[dataset]
-    per_image = getattr(datasets, mnist_single.FOLDERS[dataset])(
+    mean, std = mnist_parts.MEAN_STD[dataset]
+    per_image = getattr(datasets, mnist_parts.FOLDERS[dataset])(
         data_dir, train=True, download=False,
         transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))]))
-    images, labels = mnist_single.load_split(dataset, data_dir, train=True)
+    images, labels = mnist_parts.load_split(dataset, data_dir, train=True)
     rates = {}
     for name, ds in (("PIL transform per image", per_image),
                      ("tensors decoded once", TensorDataset(images, labels))):

@@ -71,6 +71,7 @@ def start(argv, env, watched=False):
 
 
 LAUNCHER = None
+COURSE_MODULES = ("ddp_hardening.py", "mnist_parts.py", "gcn_parts.py")  # what the scripts import
 
 
 def trains(argv):
@@ -80,7 +81,7 @@ def trains(argv):
         path = (REPO / arg).resolve()
         if not arg.endswith(".py"):
             return False
-        if path.parent in (SCRIPTS, SCRIPTS / "minimal"):
+        if path.parent == SCRIPTS:
             return True
         # an edited copy of a training script (edited_copy), not some other small script
         return path.parent == OUTPUT and path.is_file() and 'print(f"done: ' in path.read_text()
@@ -89,9 +90,8 @@ def trains(argv):
 
 
 def function_diff(before, after, name, context=1):
-    """The unified diff of top-level function `name` between two scripts of ddp_scripts/ (each read
-    above its hardening fence, where the lesson is), as text; a function new in `after` shows
-    whole, as added lines."""
+    """The unified diff of top-level function `name` between two scripts of ddp_scripts/, as text; a
+    function new in `after` shows whole, as added lines."""
     import ast
     import difflib
 
@@ -107,18 +107,9 @@ def function_diff(before, after, name, context=1):
 
 
 def lesson_text(script):
-    """A script of ddp_scripts/ as a learner reads it: a DDP script's lesson part (above its
-    hardening fence, a comment line that starts with `# ===` and names `hardening`) and its
-    __main__ block; any other script whole. (tools/make_minimal.py's lesson_view(), which a test
-    compares with this.)"""
-    import re
-
-    text = (SCRIPTS / script).read_text()
-    fence = re.search(r"^# ?=+.*hardening", text, re.M)
-    if not fence:
-        return text
-    guard = text.index('\nif __name__ == "__main__":') + 1
-    return text[:fence.start()].rstrip("\n") + "\n\n\n" + text[guard:]
+    """A script of ddp_scripts/ as a learner reads it: the whole file (what the DDP scripts share,
+    the hardening and the MNIST and GCN pieces, is in the modules they import)."""
+    return (SCRIPTS / script).read_text()
 
 
 def free_port():
@@ -302,9 +293,9 @@ def data_args(smoke, dataset="auto"):
     Fashion-MNIST offline); in smoke mode its first 6,000 training and 1,000 test images, in the
     same format, in ../data/smoke (every run then loads and scores a tenth of the data)."""
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
 
-    dataset = mnist_single.prepare_data(dataset, str(DATA_DIR), verbose=False)
+    dataset = mnist_parts.prepare_data(dataset, str(DATA_DIR), verbose=False)
     folder = small_copy(dataset, DATA_DIR / "smoke") if smoke else DATA_DIR
     return ["--dataset", dataset, "--data-dir", str(folder)]
 
@@ -315,17 +306,17 @@ def small_copy(dataset, folder, train=6000, test=1000):
     import struct
 
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
 
-    raw = Path(mnist_single.raw_dir(dataset, str(folder)))
-    source = Path(mnist_single.raw_dir(dataset, str(DATA_DIR)))
+    raw = Path(mnist_parts.raw_dir(dataset, str(folder)))
+    source = Path(mnist_parts.raw_dir(dataset, str(DATA_DIR)))
     raw.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", train), ("t10k", test)):
         for kind in ("images-idx3", "labels-idx1"):
             target = raw / f"{split}-{kind}-ubyte"
             if target.exists():
                 continue
-            values = mnist_single.read_idx(str(source / target.name))[:count].contiguous()
+            values = mnist_parts.read_idx(str(source / target.name))[:count].contiguous()
             part = target.with_name(f"{target.name}.{os.getpid()}.part")
             with open(part, "wb") as f:  # IDX: 0, 0, 8 (unsigned bytes), the dimensions, the sizes
                 f.write(struct.pack(">HBB", 0, 0x08, values.dim()))
@@ -346,23 +337,32 @@ def read_json(path):
         return json.load(f)
 
 
-def edited_copy(script, edits, name):
-    """A copy of ddp_scripts/<script>, changed for an experiment, in notebooks/output/<name>.py;
-    the course's script itself stays as it is. `edits`: pairs (old, new) of text, each `old` found
-    exactly once (else ValueError: the script has changed, and the experiment must follow it).
-    Prints the change as a diff; returns the copy's path, to run() like any script."""
+def edited_copy(script, edits, name, modules=None):
+    """A copy of ddp_scripts/<script>, changed for an experiment, in notebooks/output/<name>.py,
+    with the modules the scripts import beside it; the course's files themselves stay as they are.
+    `edits`: pairs (old, new) of text, each `old` found exactly once (else ValueError: the script
+    has changed, and the experiment must follow it). `modules`: {module: edits} for the modules'
+    copies (e.g. {"mnist_parts.py": [...]}), which hold until the next edited_copy. Prints each
+    change as a diff; returns the copy's path, to run() like any script."""
     import difflib
 
-    source = (SCRIPTS / script).read_text()
-    text = source
-    for old, new in edits:
-        if text.count(old) != 1:
-            raise ValueError(f"{script}: {old!r} occurs {text.count(old)} times, not once")
-        text = text.replace(old, new)
+    def edited(file, changes, target):
+        source = (SCRIPTS / file).read_text()
+        text = source
+        for old, new in changes:
+            if text.count(old) != 1:
+                raise ValueError(f"{file}: {old!r} occurs {text.count(old)} times, not once")
+            text = text.replace(old, new)
+        target.write_text(text)
+        if changes:
+            print("\n".join(difflib.unified_diff(source.splitlines(), text.splitlines(),
+                                                 f"ddp_scripts/{file}", str(target.relative_to(REPO)),
+                                                 lineterm="", n=1)))
+
     path = output_path(f"{name}.py")
-    path.write_text(text)
-    print("\n".join(difflib.unified_diff(source.splitlines(), text.splitlines(), f"ddp_scripts/{script}",
-                                         str(path.relative_to(REPO)), lineterm="", n=1)))
+    edited(script, edits, path)
+    for module in COURSE_MODULES:  # what the copy imports, beside it (as Python looks for it)
+        edited(module, (modules or {}).get(module, []), output_path(module))
     return path
 
 

@@ -22,6 +22,7 @@ from launcher import Launcher
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "ddp_scripts"
+MODULES = {"ddp_hardening.py", "mnist_parts.py", "gcn_parts.py"}  # what the scripts import; no script
 DATA_DIR = REPO / "data"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -60,6 +61,8 @@ def needs_sampler():
 
 def load_script(name):
     """Import a script from ddp_scripts/ as a module (they are files to copy, not a package)."""
+    if str(SCRIPTS) not in sys.path:  # where a script finds the modules it imports, as when run
+        sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -179,10 +182,11 @@ def refused_in_process(module, argv, monkeypatch=None, gpus=None):
         if gpus is not None:
             monkeypatch.setattr(module.torch.cuda, "is_available", lambda: gpus > 0)
             monkeypatch.setattr(module.torch.cuda, "device_count", lambda: gpus)
-        if hasattr(module, "mp"):  # a script that starts processes: none may start
-            monkeypatch.setattr(module.mp, "spawn",
-                                lambda *a, **k: pytest.fail("spawned despite the refusal"))
-            monkeypatch.setattr(module.mp, "start_processes",
+        if hasattr(module, "hardening") or hasattr(module, "mp"):  # it starts processes: none may
+            import torch.multiprocessing as mp
+
+            monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned despite the refusal"))
+            monkeypatch.setattr(mp, "start_processes",
                                 lambda *a, **k: pytest.fail("spawned despite the refusal"))
         elif hasattr(module, "train"):  # a one-process script: no training
             monkeypatch.setattr(module, "train", lambda *a, **k: pytest.fail("trained despite the refusal"))
@@ -190,11 +194,11 @@ def refused_in_process(module, argv, monkeypatch=None, gpus=None):
     start = time.monotonic()
     stderr = io.StringIO()
     # run_main ends its process through leave() (os._exit): here it raises SystemExit instead
-    leave = mock.patch.object(module, "leave", sys.exit) if hasattr(module, "leave") else \
-        contextlib.nullcontext()
+    hardening = getattr(module, "hardening", None)
+    leave = mock.patch.object(hardening, "leave", sys.exit) if hardening else contextlib.nullcontext()
     with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(stderr), leave:
-        if hasattr(module, "run_main"):
-            module.run_main([str(a) for a in argv])
+        if hardening:
+            hardening.run_main(module.main, module.parse_args, [str(a) for a in argv])
         else:  # a plain script: its __main__ block does this
             try:
                 module.main(module.parse_args([str(a) for a in argv]))
@@ -303,7 +307,11 @@ def training_job(script, data, under_torchrun=False, starting=False, start_metho
             assert header.startswith("training"), header + launcher.stderr.read()
             time.sleep(1.5)
         ranks = ranks_of(launcher)
-        assert len(ranks) == 2 and launcher.poll() is None
+        if len(ranks) != 2 or launcher.poll() is not None:  # say what was there, for a rare failure
+            ended = launcher.poll() is not None
+            raise AssertionError(f"ranks {[(p.pid, p.cmdline()[-3:]) for p in ranks]}, launcher "
+                                 + (f"ended with {launcher.returncode}: {launcher.communicate()}" if ended
+                                    else "running"))
         family = psutil.Process(launcher.pid).children(recursive=True)
         if script == "gcn_ddp.py":
             assert sum(len(rank.children()) for rank in ranks) >= 4, "the sampling workers did not start"

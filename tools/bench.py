@@ -121,9 +121,9 @@ def main():
         return
 
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
 
-    dataset = mnist_single.prepare_data("auto", args.data_dir)
+    dataset = mnist_parts.prepare_data("auto", args.data_dir)
     n, c = args.nprocs, cores()
     common = ["--model", "convnet", "--max-steps", str(args.steps), "--batch-size", "64",
               "--dataset", dataset, "--data-dir", args.data_dir, "--quiet"]

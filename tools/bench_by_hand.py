@@ -331,9 +331,9 @@ def main():
     if args.block < 2:
         sys.exit("bench_by_hand: --block must be at least 2 (its first step is not kept)")
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
 
-    dataset = mnist_single.prepare_data("auto", args.data_dir, verbose=False)
+    dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
     configs, about = configurations(), machine()
     print(f"machine: {about['cpu']}, {about['cores']} cores, torch {about['torch']}; {about['date']}; "
           f"load average {about['load_average_at_start']:.2f} at the start\n"

@@ -98,9 +98,9 @@ def main():
         sys.exit("bench_comm: --gpu needs 2 visible CUDA devices")
 
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
 
-    dataset = mnist_single.prepare_data("auto", args.data_dir)
+    dataset = mnist_parts.prepare_data("auto", args.data_dir)
     device = [] if args.gpu else ["--backend", "gloo", "--device", "cpu", "--threads-per-proc", "1"]
     common = [*device, "--batch-size", "64", "--dataset", dataset, "--data-dir", args.data_dir, "--quiet"]
     machine = machine_name(args.gpu)

@@ -89,9 +89,9 @@ def main():
     ranks = list(range(1, min(3, gpus) + 1)) if args.gpu else [1, 2, 3]
 
     sys.path.insert(0, str(REPO / "ddp_scripts"))
-    import mnist_single
+    import mnist_parts
 
-    dataset = mnist_single.prepare_data("auto", str(REPO / "data"))
+    dataset = mnist_parts.prepare_data("auto", str(REPO / "data"))
     data_dir = small_copy(dataset, REPO / "data" / "smoke")
     device = [] if args.gpu else ["--backend", "gloo", "--device", "cpu", "--threads-per-proc", "1"]
     common = [*device, "--model", "mlp", "--global-batch-size", str(GLOBAL_BATCH), "--max-steps",

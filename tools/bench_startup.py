@@ -4,7 +4,6 @@ Rows, each the wall time of one whole command (median of --repeats interleaved r
   python -c "import torch"         one interpreter that imports torch and exits: the floor
   the script, as it starts ranks   mnist_ddp_cpu.py --nprocs 2 --max-steps 5 (forked where safe)
   the script, spawned ranks        the same with DDP_START_METHOD=spawn (what GPU machines get)
-  the minimal form                 ddp_scripts/minimal/mnist_ddp_cpu.py: plain mp.spawn
 The 5 steps themselves take a fraction of a second; the rest is start-up, evaluation and exit.
 Writes build/bench/startup.json.
 
@@ -44,10 +43,10 @@ def main():
     args = parser.parse_args()
 
     sys.path.insert(0, str(SCRIPTS))
-    import mnist_single
+    import mnist_parts
     import torch
 
-    dataset = mnist_single.prepare_data("auto", args.data_dir, verbose=False)
+    dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
     job = ["--nprocs", "2", "--max-steps", str(args.steps), "--model", "convnet", "--dataset", dataset,
            "--data-dir", args.data_dir, "--quiet"]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "DDP_START_METHOD")}
@@ -56,8 +55,6 @@ def main():
         ("the script, as it starts ranks", [sys.executable, str(SCRIPTS / "mnist_ddp_cpu.py"), *job], env),
         ("the script, spawned ranks", [sys.executable, str(SCRIPTS / "mnist_ddp_cpu.py"), *job],
          {**env, "DDP_START_METHOD": "spawn"}),
-        ("the minimal form (mp.spawn)", [sys.executable, str(SCRIPTS / "minimal" / "mnist_ddp_cpu.py"), *job],
-         env),
     ]
     machine = f"{cpu_name()}, {cores()} cores, torch {torch.__version__}"
     date = datetime.date.today().isoformat()

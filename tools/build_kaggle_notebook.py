@@ -13,8 +13,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "kaggle" / "ddp_t4x2.ipynb"
-SCRIPTS = ["mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
-           "mnist_ddp_comm.py", "mnist_fsdp.py", "gcn_ddp.py"]
+# Each file once: the modules the scripts import, then the scripts.
+SCRIPTS = ["ddp_hardening.py", "mnist_parts.py", "gcn_parts.py", "mnist_single.py", "mnist_ddp_cpu.py",
+           "mnist_ddp_gpu.py", "mnist_ddp_resume.py", "mnist_ddp_comm.py", "mnist_fsdp.py", "gcn_ddp.py"]
 
 INTRO = """\
 # PyTorch DDP on Kaggle's two T4 GPUs
@@ -82,14 +83,16 @@ def run(*args):
 EPOCHS = 3
 DATA = "/tmp/ddp-course-data"  # not in /kaggle/working, which Kaggle keeps as the notebook's output
 # prepare (download) the data once, before any run starts processes
-run("-c", f"import mnist_single; print(mnist_single.prepare_data('auto', {DATA!r}))")"""
+run("-c", f"import mnist_parts; print(mnist_parts.prepare_data('auto', {DATA!r}))")"""
 
 SCRIPTS_INTRO = """\
 ## The course's scripts
 
-The next six cells write the course's scripts (`ddp_scripts/` in the repository, generated from
-them by `tools/build_kaggle_notebook.py`) to the working directory; their code is collapsed: expand
-a cell to read a script."""
+The next cells write the course's files (`ddp_scripts/` in the repository, generated from them by
+`tools/build_kaggle_notebook.py`) to the working directory, each once: the modules the scripts
+import (`ddp_hardening.py`, what keeps a job safe on a cluster; `mnist_parts.py` and
+`gcn_parts.py`, the data and models), then the lessons' scripts. Their code is collapsed: expand a
+cell to read a file."""
 
 # Collapsed code: Kaggle's editor reads _kg_hide-input, JupyterLab source_hidden.
 HIDDEN = {"_kg_hide-input": True, "jupyter": {"source_hidden": True}}

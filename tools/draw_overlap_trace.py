@@ -245,9 +245,9 @@ def main():
     missing = [p for p in PANELS if args.traces is None or not (folder / p / "rank0.json").exists()]
     if missing:
         sys.path.insert(0, str(SCRIPTS))
-        import mnist_single
+        import mnist_parts
 
-        dataset = mnist_single.prepare_data("auto", args.data_dir, verbose=False)
+        dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
         for panel in missing:
             make_trace(panel, folder / panel, ["--dataset", dataset, "--data-dir", args.data_dir])
     steps = {panel: fastest(read_steps(folder / panel / "rank0.json")) for panel in PANELS}

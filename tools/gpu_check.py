@@ -95,9 +95,9 @@ def main():
     lessons, dataset = [], None
     if 3 in wanted:
         sys.path.insert(0, str(REPO / "ddp_scripts"))
-        import mnist_single
+        import mnist_parts
 
-        dataset = mnist_single.prepare_data("auto", args.data_dir, verbose=False)
+        dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
         lessons.append(mnist_lesson(dataset, args))
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
     print(f"gpu-check: {gpus} GPU(s): {names}; torch {torch.__version__}"

@@ -25,8 +25,8 @@ prepare)
     # imports torch, hence the venv's Python without build isolation.
     .venv/bin/python -m pip download --quiet --no-deps --no-build-isolation --no-binary :all: \
         -d .device torch-scatter torch-sparse || exit 1
-    .venv/bin/python -c "import sys; sys.path.insert(0, 'ddp_scripts'); import mnist_single; \
-print('dataset in data/:', mnist_single.prepare_data('auto', 'data', verbose=False))" || exit 1
+    .venv/bin/python -c "import sys; sys.path.insert(0, 'ddp_scripts'); import mnist_parts; \
+print('dataset in data/:', mnist_parts.prepare_data('auto', 'data', verbose=False))" || exit 1
     du -sh .device data
     echo 'next: copy .device/ and data/ to the GPU machine and run "bash tools/gpu_session.sh run" there'
     ;;

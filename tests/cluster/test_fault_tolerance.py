@@ -36,12 +36,20 @@ def test_the_rank_left_after_a_kill_under_torchrun_ends_in_its_line_not_aborted(
     and ends with exit code 1 through leave(), as a finished rank does (decision 8). Ended through
     Python's shutdown instead (sys.exit), it was killed by SIGABRT after its line in 2 of 16 runs
     here ("terminate called without an active exception"), and torchrun named it, exit code -6, as
-    the first failure. The agent looks at its ranks every 2 s here (not every 0.1 s), so that rank 0
-    ends on its own before its agent stops it; the ranks are forked from the preloaded Python
-    (tests/launcher.py) and end as the script ends them. Each run about 5 s."""
+    the first failure. The ranks are forked from the preloaded Python (tests/launcher.py) and end
+    as the script ends them. Each run about 5 s.
+
+    Who ends rank 0 is a race: rank 0 finds the closed connection about 40 ms after the kill (more
+    on a busy machine), and the agent, which looks at its ranks every 2 s here, stops it with
+    SIGTERM if it looks first (in about 1 run of 50 when idle; and it happened under the whole
+    suite). A rank stopped that way ends correctly but says nothing about how it would have ended
+    (exit code -15, mostly before its line): such a run is counted apart, and the test goes on until
+    KILLS runs ended on rank 0's own terms."""
     command = [*torchrun(2), "--monitor-interval", "2", SCRIPTS / "mnist_ddp_cpu.py", "--model", "linear",
                "--epochs", "1000", "--timeout", "30", *data_args]
-    for attempt in range(KILLS):
+    own_terms, stopped_by_agent = 0, 0
+    while own_terms < KILLS:
+        assert stopped_by_agent <= 2 * KILLS, f"the agent stopped rank 0 first in {stopped_by_agent} runs"
         with PRELOADED.popen(command, script_env(), REPO, merge=True) as agent:
             try:
                 assert any(line.startswith("training") for line in agent.stdout), agent.output()[0]
@@ -57,22 +65,30 @@ def test_the_rank_left_after_a_kill_under_torchrun_ends_in_its_line_not_aborted(
             finally:
                 agent.kill()
             output = agent.output()[0]
+        attempt = own_terms + stopped_by_agent
         assert "terminate called" not in output and "exitcode  : -6" not in output, (attempt, output)
+        # torchrun's report names each failed rank: "rank      : 0 (local_rank: 0)" then its exit code
+        rank0 = re.search(r"rank\s*: 0 \(local_rank: 0\)\s*exitcode\s*: (-?\d+)", output)
+        assert rank0 and re.search(r"exitcode\s*: -9 ", output), (attempt, output)
+        if rank0[1] == "-15":  # SIGTERM from the agent, which looked first
+            stopped_by_agent += 1
+            continue
+        own_terms += 1
+        assert rank0[1] == "1", (attempt, output)
         lines = [x for x in output.splitlines() if x.startswith("mnist_ddp_cpu.py: error:")]
         assert len(lines) == 1 and "rank 0 lost its connection to another rank (" in lines[0], output
         line = lines[0]
         said = line.split("(", 1)[1].split(")")[0]  # Gloo's words, whole
         assert said == "Connection reset by peer" or re.fullmatch(
             r"Connection closed by peer \[[0-9.]+\]:\d+", said), line
-        assert re.search(r"exitcode\s*: 1 ", output) and re.search(r"exitcode\s*: -9 ", output), output
 
 
 FINALIZER_INTERRUPTED = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
-import mnist_ddp_cpu
+import ddp_hardening
 if sys.argv[1] == "hook":
-    sys.unraisablehook = mnist_ddp_cpu.quiet_interrupt_in_finalizer  # as spawned_worker does
+    sys.unraisablehook = ddp_hardening.quiet_interrupt_in_finalizer  # as spawned_worker does
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class InterruptedWhileFinalized:

@@ -69,13 +69,14 @@ def test_two_machines_without_a_shared_disk_restart_and_resume_together(tmp_path
 # the course's could not be asked to. Each rank prints its TORCHELASTIC_RESTART_COUNT.
 ROLES = """
 import importlib.util, os, signal, sys, time
+sys.path.insert(0, os.path.dirname({script!r}))  # where the script finds the modules it imports
 spec = importlib.util.spec_from_file_location("mnist_ddp_resume", {script!r})
 resume = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(resume)
 role, marks = os.environ["TEST_ROLE"], {marks!r}
 print(f"rank {{os.environ['RANK']}}: TORCHELASTIC_RESTART_COUNT={{os.environ['TORCHELASTIC_RESTART_COUNT']}}",
       flush=True)
-plain_progress = resume.progress
+plain_progress = resume.hardening.progress
 
 
 def progress(iterable, desc, show):
@@ -90,8 +91,8 @@ def progress(iterable, desc, show):
         yield item
 
 
-resume.progress = progress
-resume.run_main()
+resume.hardening.progress = progress
+resume.hardening.run_main(resume.main, resume.parse_args)
 """
 
 
@@ -133,7 +134,7 @@ import os, signal, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 sys.path.insert(0, {scripts!r})
-from mnist_ddp_resume import attempt_store
+from ddp_hardening import attempt_store
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 if attempt == 1 and rank == 0:
     time.sleep(5)  # rank 1 reaches the store first: it must not take attempt 0's address of rank 0

@@ -36,6 +36,7 @@ class SharedAndFrozen(nn.Module):
 
 
 def worker(rank, world_size, script, dataset, data_dir, out, cuda):
+    sys.path.insert(0, os.path.dirname(script))  # where the script finds the modules it imports
     spec = importlib.util.spec_from_file_location("mnist_by_hand", script)
     by_hand = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(by_hand)

@@ -5,7 +5,7 @@ import os
 import pytest
 from helpers import OFFLINE, load_script, read_metrics, run_script, script_env, write_tiny_mnist
 
-single = load_script("mnist_single")
+single = load_script("mnist_parts")  # the MNIST pieces every lesson imports
 pytestmark = pytest.mark.slow  # left out of make test-quick
 needs_package = pytest.mark.skipif(
     not os.path.isdir(single.FASHION_MNIST_PACKAGE_DIR),
@@ -53,14 +53,14 @@ def test_offline_without_a_proxy_no_download_is_tried(tmp_path):
     probe = f"""
 import socket, sys
 sys.path.insert(0, {str(SCRIPTS)!r})
-import mnist_single
+import mnist_parts
 looked_up = []
 def refuse(host, *args, **kwargs):
     looked_up.append(host)
     raise socket.gaierror(-2, "Name or service not known")
 socket.getaddrinfo = refuse
 import json
-tried = mnist_single.try_download("mnist", {str(tmp_path)!r})
+tried = mnist_parts.try_download("mnist", {str(tmp_path)!r})
 print(json.dumps([tried, looked_up, "torchvision" in sys.modules]))
 """
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}

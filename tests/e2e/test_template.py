@@ -1,5 +1,5 @@
-"""ddp_scripts/template_ddp.py, used as a user would: copied alone into an empty folder it trains
-with both launchers; then another project is swapped in (its own data file, model, loss and
+"""ddp_scripts/template_ddp.py, used as a user would: copied with ddp_hardening.py into an empty
+folder it trains with both launchers; then another project is swapped in (its own data file, model, loss and
 metrics: the YOUR PROJECT functions replaced, nothing else), and the copy trains, saves a
 checkpoint that loads into the plain model, refuses a bad flag and a missing data file in one line
 each, and ends whole when a rank is killed."""
@@ -16,6 +16,7 @@ import torch
 from helpers import SCRIPTS, ends_promptly_and_whole, read_metrics, run_script, torchrun, training_job
 
 TEMPLATE = SCRIPTS / "template_ddp.py"
+HARDENING = SCRIPTS / "ddp_hardening.py"  # the module the template imports, copied beside it
 START, END = (next(line for line in TEMPLATE.read_text().splitlines(keepends=True)
                    if line.startswith("# ===") and line.rstrip().endswith(part))
               for part in ("YOUR PROJECT", "DDP steps"))
@@ -89,6 +90,7 @@ def port(folder):
     start, end = text.index(START), text.index(END)
     script = folder / "classify_ddp.py"
     script.write_text(text[:start] + PROJECT + text[end:])
+    shutil.copy(HARDENING, folder)
     write_measurements(folder / "measurements.csv")
     return script
 
@@ -110,8 +112,9 @@ def ported(tmp_path_factory):
     return folder, port(folder)
 
 
-def test_the_template_alone_in_an_empty_folder_trains_with_both_launchers(tmp_path):
+def test_the_template_and_its_module_in_an_empty_folder_train_with_both_launchers(tmp_path):
     shutil.copy(TEMPLATE, tmp_path)
+    shutil.copy(HARDENING, tmp_path)
     spawned = launch(tmp_path, "template_ddp.py", "--nprocs", 2, "--epochs", 2, "--metrics-json", "m.json")
     assert spawned.returncode == 0, spawned.stderr
     assert spawned.stdout.count("done:") == 1 and (tmp_path / "data" / "synthetic_regression.pt").exists()

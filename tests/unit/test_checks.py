@@ -32,11 +32,11 @@ def test_the_preparation_turns_wait_in_a_gloo_group_whatever_the_backend(monkeyp
         return new_group(*args, **kwargs)
 
     monkeypatch.setattr(cpu.dist, "new_group", spy)
-    choice = cpu.prepare_in_turns(lambda first: f"prepared {first}", "auto", 0, 60)
+    choice = cpu.hardening.prepare_in_turns(lambda first: f"prepared {first}", "auto", 0, 60)
     assert choice == "prepared auto" and made == ["gloo"]
 
 
-@pytest.mark.parametrize("script", ["mnist_ddp_cpu", "mnist_single"])
+@pytest.mark.parametrize("script", ["ddp_hardening"])
 def test_progress_lines_when_the_output_is_not_a_terminal(monkeypatch, capsys, script):
     """A notebook's cell or a log is no terminal: rank 0 prints a line now and then, at most one
     every 5 s and 20 an epoch, each with the step, the rate and the time left, never starting as

@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import DATA_DIR, load_script, write_tiny_mnist
 
-single = load_script("mnist_single")
+single = load_script("mnist_parts")  # the MNIST pieces every lesson imports
 needs_package = pytest.mark.skipif(
     not os.path.isdir(single.FASHION_MNIST_PACKAGE_DIR),
     reason="Debian's dataset-fashion-mnist is not installed (make setup installs it as root)")

@@ -2,6 +2,7 @@
 or the sampler faked), the sampling workers by default, the graph mapped from one sorted file, the
 metric sums, the pinned batches, the batch figure."""
 import os
+import shutil
 import socket
 import sys
 
@@ -85,9 +86,9 @@ def test_sampling_workers_by_default(monkeypatch, device, cores, nprocs, workers
 def test_dropout_must_be_a_probability(rate, capsys, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(gcn, "leave", sys.exit)  # run_main ends through leave(): os._exit
+    monkeypatch.setattr(gcn.hardening, "leave", sys.exit)  # run_main ends through leave(): os._exit
     with pytest.raises(SystemExit) as exit_info:
-        gcn.run_main(["--dropout", rate])
+        gcn.hardening.run_main(gcn.main, gcn.parse_args, ["--dropout", rate])
     message = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--dropout" in message and message.count("\n") == 1
 
@@ -229,7 +230,7 @@ def test_a_graph_larger_than_the_free_shared_memory_is_refused(monkeypatch):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this system")
     free = {"bytes": 10 * 2**20}
-    monkeypatch.setattr(gcn.shutil, "disk_usage", lambda path: type("usage", (), {"free": free["bytes"]}))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: type("usage", (), {"free": free["bytes"]}))
     message = refused(monkeypatch, [*CPU, "--nprocs", "2", "--num-nodes", "20000", "--max-steps", "1"])
     assert "MiB of shared memory and /dev/shm has 10 MiB free" in message and "--shm-size" in message
 

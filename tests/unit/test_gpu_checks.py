@@ -121,7 +121,7 @@ def test_a_step_builds_no_index_tensor_from_the_host(monkeypatch, data_args, scr
     monkeypatch.setattr(module.torch, "tensor", spy)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(module.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(module.hardening.free_port()))
     threads = torch.get_num_threads()
     try:
         module.worker(0, 1, args)
@@ -145,7 +145,7 @@ def test_synchronisations_per_step_on_a_gpu(monkeypatch, data_args, amp, per_ste
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     counts = {}
     for steps in (4, 12):
-        monkeypatch.setenv("MASTER_PORT", str(module.free_port()))
+        monkeypatch.setenv("MASTER_PORT", str(module.hardening.free_port()))
         args = module.parse_args(["--nprocs", "1", "--amp", amp, "--model", "linear", "--max-steps",
                                   str(steps), "--quiet", *map(str, data_args)])
         torch.cuda.set_sync_debug_mode("warn")

@@ -9,6 +9,8 @@ from helpers import REPO, SCRIPTS
 
 KAGGLE = REPO / "kaggle"
 NOTEBOOK = KAGGLE / "ddp_t4x2.ipynb"
+KAGGLE_FILES = ("ddp_hardening.py", "mnist_parts.py", "gcn_parts.py", "mnist_single.py", "mnist_ddp_cpu.py",
+                "mnist_ddp_gpu.py", "mnist_ddp_resume.py", "mnist_ddp_comm.py", "mnist_fsdp.py", "gcn_ddp.py")
 
 
 def test_notebook_is_generated_from_the_current_scripts():
@@ -28,9 +30,11 @@ def test_notebook_is_valid_and_embeds_every_script_verbatim():
         if cell.cell_type == "code" and cell.source.startswith("%%writefile "):
             header, _, body = cell.source.partition("\n")
             written[header.split()[1]] = body
-    for name in ("mnist_single.py", "mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
-                 "mnist_ddp_comm.py", "mnist_fsdp.py", "gcn_ddp.py"):
+    assert sorted(written) == sorted(KAGGLE_FILES)  # each file once
+    for name in KAGGLE_FILES:
         assert written[name].rstrip() == (SCRIPTS / name).read_text().rstrip()
+    source_lines = sum(len(cell.source.splitlines()) for cell in nb.cells)
+    assert source_lines <= 3500, f"{source_lines} source lines"
     assert all(c.get("outputs", []) == [] for c in nb.cells if c.cell_type == "code")
 
 

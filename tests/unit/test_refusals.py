@@ -156,7 +156,7 @@ def test_a_network_interface_this_machine_lacks_is_refused(monkeypatch, data_arg
     """GLOO_SOCKET_IFNAME naming an interface that is not here: one line, before any worker starts
     (Gloo itself stops every rank with a C++ traceback). Interfaces that exist pass."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    assert script("mnist_ddp_cpu").check_network() is None
+    assert script("mnist_ddp_cpu").hardening.check_network() is None
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,nosuch0")
     line = refused("mnist_ddp_cpu", monkeypatch, "--max-steps", "1", *data_args)
     assert "GLOO_SOCKET_IFNAME=lo,nosuch0: this machine has no network interface nosuch0 (it has " in line

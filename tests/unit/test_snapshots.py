@@ -36,7 +36,7 @@ def save_one_snapshot(resume, path, monkeypatch):
     model = torch.nn.Linear(2, 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(resume.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(resume.hardening.free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         resume.save_snapshot(args, 1, 10, argparse.Namespace(module=model),

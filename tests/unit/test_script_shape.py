@@ -1,0 +1,177 @@
+"""The shape of ddp_scripts/ (docs/decisions/0010-lesson-scripts-and-modules.md): each lesson script is
+its lesson, read top to bottom; what several scripts share is written once, in a module they import
+(ddp_hardening.py, mnist_parts.py, gcn_parts.py); the scripts stay short enough to read in one
+sitting and to diff against the lesson before."""
+import ast
+import contextlib
+import difflib
+import io
+import re
+import socket
+
+import pytest
+from helpers import MODULES, SCRIPTS, load_script
+
+SCRIPT_FILES = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name not in MODULES)
+# Every script that starts a DDP job imports the hardening module as `hardening`.
+DDP_SCRIPTS = sorted(name for name in SCRIPT_FILES
+                     if "import ddp_hardening as hardening" in (SCRIPTS / name).read_text())
+# Targets (lines of a file; added non-blank lines of a unified diff).
+SCRIPT_AT_MOST = 600
+LESSON_2_AT_MOST = 300
+LESSON_2_ADDS_AT_MOST = 130
+NEIGHBOUR_ADDS_AT_MOST = 180
+# Each lesson and the one a learner diffs it against (its docstring says which).
+NEIGHBOURS = [("mnist_ddp_cpu.py", "mnist_ddp_gpu.py"), ("gcn_single.py", "gcn_ddp.py"),
+              ("mnist_ddp_gpu.py", "mnist_ddp_resume.py"), ("mnist_ddp_gpu.py", "mnist_ddp_comm.py"),
+              ("mnist_ddp_cpu.py", "mnist_ddp_debug.py"), ("mnist_ddp_gpu.py", "mnist_fsdp.py")]
+# What a lesson teaches stays in its script, where the learner reads it.
+TAUGHT = {"mnist_ddp_gpu.py": {"check_device"},
+          "mnist_ddp_resume.py": {"read_snapshot", "load_snapshot", "save_snapshot", "crash"},
+          "mnist_ddp_comm.py": {"time_allreduce"},
+          "mnist_ddp_debug.py": {"Watchdog", "check_replicas", "inject_bug"},
+          "mnist_fsdp.py": {"check_sharding", "state_bytes", "peak_mib", "save_checkpoint",
+                            "load_checkpoint"},
+          "gcn_ddp.py": {"check_device", "rank_chunk", "mapped_copy", "prepare_graph"}}
+# What a copy may import: torch and its kin, the standard library, and the course's modules.
+ALLOWED = {"torch", "torchvision", "tqdm", "torch_geometric", "ogb"} | {m[:-3] for m in MODULES}
+
+
+def lines(name):
+    return (SCRIPTS / name).read_text().splitlines()
+
+
+def added_lines(before, after):
+    """Non-blank lines that the diff from `before` to `after` (lists of lines) adds."""
+    return sum(1 for line in difflib.unified_diff(before, after, lineterm="", n=0)
+               if line.startswith("+") and not line.startswith("+++") and line[1:].strip())
+
+
+def top_level(path):
+    """{name: the definition's AST, dumped} of a file's top-level functions and classes."""
+    return {node.name: ast.dump(node) for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_the_ddp_scripts_are_the_ones_expected():
+    assert set(DDP_SCRIPTS) == {"mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
+                                "mnist_ddp_comm.py", "mnist_ddp_debug.py", "mnist_fsdp.py", "gcn_ddp.py",
+                                "template_ddp.py"}
+
+
+@pytest.mark.parametrize("path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: p.name)
+def test_no_file_is_longer_than_a_sitting(path):
+    assert len(path.read_text().splitlines()) <= SCRIPT_AT_MOST
+
+
+def test_lesson_2_adds_little_to_lesson_1():
+    single, cpu = lines("mnist_single.py"), lines("mnist_ddp_cpu.py")
+    assert added_lines(single, cpu) <= LESSON_2_ADDS_AT_MOST
+    assert len(cpu) <= LESSON_2_AT_MOST
+
+
+def test_every_ddp_script_has_its_neighbour():
+    """Every lesson but the first is read against the one before it (the template is no lesson)."""
+    assert {script for _, script in NEIGHBOURS} | {"mnist_ddp_cpu.py", "template_ddp.py"} == set(DDP_SCRIPTS)
+    for earlier, script in NEIGHBOURS:
+        assert f"Compare it with {earlier}" in (SCRIPTS / script).read_text()
+
+
+@pytest.mark.parametrize("earlier, script", NEIGHBOURS, ids=[pair[1] for pair in NEIGHBOURS])
+def test_each_lesson_adds_little_to_its_neighbour(earlier, script):
+    assert added_lines(lines(earlier), lines(script)) <= NEIGHBOUR_ADDS_AT_MOST
+
+
+def test_the_limits_can_fail():
+    """The counting sees a change: 200 new lines are 200 added lines."""
+    cpu = lines("mnist_ddp_cpu.py")
+    assert added_lines(cpu, cpu) == 0
+    assert added_lines(cpu, cpu[:100] + [f"x = {i}" for i in range(200)] + cpu[100:]) == 200
+
+
+@pytest.mark.parametrize("script", sorted(TAUGHT))
+def test_what_a_lesson_teaches_stays_in_its_script(script):
+    missing = TAUGHT[script] - set(top_level(SCRIPTS / script))
+    assert not missing, f"{script}: {missing} should be defined in the script, with the lesson"
+
+
+@pytest.mark.parametrize("script", DDP_SCRIPTS)
+def test_each_call_into_the_hardening_says_what_plain_code_it_stands_for(script):
+    """A `hardening.` call has its `# plain: <code>` at the end of its line or on a comment line
+    right above the statement: the learner reads what the call replaces without opening the
+    module. The calls are few: a handful, not the lesson."""
+    text = lines(script)
+    calls = [i for i, line in enumerate(text) if re.search(r"\bhardening\.\w+\(", line)]
+    unsaid = [text[i].strip() for i in calls
+              if not any("# plain:" in text[j] for j in range(max(0, i - 2), i + 1))]
+    assert not unsaid, f"{script}: hardening calls without '# plain: ...': {unsaid}"
+    assert 4 <= len(calls) <= 12
+
+
+# The launching that lessons 2 and 3 teach (main, worker and their checks) stands whole in each
+# later DDP script, so that each reads top to bottom as a program: a function imported from
+# another script would call that script's train(), not its own.
+LAUNCHING = {"main", "worker", "check_setup", "check_device"}
+
+
+def test_each_definition_is_written_once():
+    """No function or class of ddp_scripts/ stands, the same, in two files: what two scripts share
+    lives in a module (the launching aside, see LAUNCHING)."""
+    seen, twice = {}, []
+    for path in sorted(SCRIPTS.glob("*.py")):
+        for name, dump in top_level(path).items():
+            if (name, dump) in seen and name not in LAUNCHING:
+                twice.append(f"{name} in {seen[name, dump]} and {path.name}")
+            seen.setdefault((name, dump), path.name)
+    assert not twice, twice
+
+
+def test_the_definitions_check_can_fail(tmp_path):
+    """Two files defining one function alike are seen as such; a changed body is not."""
+    (tmp_path / "a.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "b.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "c.py").write_text("def f():\n    return 2\n")
+    assert top_level(tmp_path / "a.py") == top_level(tmp_path / "b.py") != top_level(tmp_path / "c.py")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
+def test_scripts_import_only_what_a_copy_can_rely_on(script):
+    import sys
+
+    tree = ast.parse((SCRIPTS / script).read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots.add(node.module.split(".")[0])
+    others = roots - ALLOWED - set(sys.stdlib_module_names)
+    assert not others, others
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_modules_never_reach_into_the_script_that_imports_them(module):
+    """What a module needs from a script, it is passed (main, parse_args, worker, check ...): no
+    `__main__`, and of the course's files only ddp_hardening.py (for UsageError)."""
+    text = (SCRIPTS / module).read_text()
+    assert "__main__" not in text
+    assert "sys.modules" not in text.replace('sys.modules.setdefault("outdated"', "")  # ogb's quirk
+    imported = {node.module for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)}
+    assert imported & {m[:-3] for m in MODULES} <= {"ddp_hardening"} - {module[:-3]}
+
+
+def test_the_parser_does_no_network_io(monkeypatch):
+    """A typo is refused by the parser alone (no store, no socket); under torchrun, run_main then
+    answers the roll call with it (tests/cluster/test_refusals_under_torchrun.py)."""
+    cpu = load_script("mnist_ddp_cpu")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the parser opened a connection")
+
+    monkeypatch.setattr(cpu.hardening.dist, "TCPStore", no_network)
+    monkeypatch.setattr(socket, "socket", no_network)
+    with pytest.raises(cpu.hardening.UsageError, match="--epochs"), contextlib.redirect_stderr(io.StringIO()):
+        cpu.parse_args(["--epochs", "0"])
