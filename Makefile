@@ -24,8 +24,8 @@ $(DEV): $(BASE) requirements-dev.txt
 	touch $(DEV)
 
 # PyG's sampler: prebuilt wheels from ../shared/wheels, else PyG's index, else compiled (announced).
-$(GRAPH): $(BASE) requirements-graph.txt tools/install_graph.py
-	$(PY) tools/install_graph.py
+$(GRAPH): $(BASE) requirements-graph.txt tools/setup/install_graph.py
+	$(PY) tools/setup/install_graph.py
 	touch $(GRAPH)
 
 ##@ The course
@@ -50,10 +50,10 @@ lab: $(BASE) $(DEV) data  ## open the course in JupyterLab (the notebooks, with 
 graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
 
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
-	$(PY) tools/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
+	$(PY) tools/generate/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
 html: $(DEV)  ## the notebooks executed by `make notebooks`, as HTML pages with an index, in build/html/
-	$(PY) tools/render_html.py
+	$(PY) tools/generate/render_html.py
 
 ##@ Checks and measurements
 test: setup  ## the whole test suite and every notebook (what CI runs)
@@ -63,27 +63,27 @@ test-quick: setup  ## the suite without the notebooks and the multi-process clus
 	$(PY) -m pytest -m "not slow and not cluster"
 
 bench: setup  ## measure on this machine, each benchmark in turn (BENCH="gcn cpu": only those; ratios, figures/, build/bench/)
-	$(PY) tools/bench_all.py $(BENCH)
+	$(PY) tools/bench/bench_all.py $(BENCH)
 
 gpu-check: setup  ## lessons 3 and 4 on the GPUs present: 1 and 2 GPUs, amp off/bf16/fp16 (a few minutes)
-	$(PY) tools/gpu_check.py
+	$(PY) tools/gpu/gpu_check.py
 
 # Two machines on this one (root only, standard library): network namespaces host0 and host1
-# (10.77.0.1, 10.77.0.2), each with its own hostname; `python3 tools/netlab.py run host0 -- CMD`.
+# (10.77.0.1, 10.77.0.2), each with its own hostname; `python3 tools/lab/netlab.py run host0 -- CMD`.
 netlab-up:  ## two lab hosts joined by one link (RATE=1gbit caps its bandwidth; root only)
-	$(PYTHON) tools/netlab.py up $(if $(RATE),--rate $(RATE))
+	$(PYTHON) tools/lab/netlab.py up $(if $(RATE),--rate $(RATE))
 
 netlab-down:  ## remove the lab and every process still running in it
-	$(PYTHON) tools/netlab.py down
+	$(PYTHON) tools/lab/netlab.py down
 
 ##@ Set-up
 setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset, test browser
-	@bash tools/install_browser.sh
+	@bash tools/setup/install_browser.sh
 
 base: $(BASE)  ## torch and what the lessons need (what `make demo` installs)
 
 data:  ## the offline dataset fallback (Debian's Fashion-MNIST, where apt-get runs as root)
-	@bash tools/install_system_data.sh
+	@bash tools/setup/install_system_data.sh
 
 clean:  ## remove what the runs wrote (build/, notebooks/output/, caches)
 	rm -rf build notebooks/output .pytest_cache
@@ -91,18 +91,18 @@ clean:  ## remove what the runs wrote (build/, notebooks/output/, caches)
 ##@ Maintainers: regenerate what is generated (a test fails when one is stale)
 
 kaggle: $(DEV)  ## rewrite kaggle/ddp_t4x2.ipynb from ddp_scripts/
-	$(PY) tools/build_kaggle_notebook.py
+	$(PY) tools/generate/build_kaggle_notebook.py
 
 figures: $(BASE)  ## redraw the figures that need no benchmark run (the GCN batch needs `make graph`)
-	$(PY) tools/draw_data_flow.py
-	$(PY) tools/draw_ddp_diagram.py
-	$(PY) tools/draw_sampled_batch.py
-	$(PY) tools/draw_sharding.py
-	$(PY) tools/draw_parallelisms.py
-	$(PY) tools/draw_inside_results.py
+	$(PY) tools/figures/draw_data_flow.py
+	$(PY) tools/figures/draw_ddp_diagram.py
+	$(PY) tools/figures/draw_sampled_batch.py
+	$(PY) tools/figures/draw_sharding.py
+	$(PY) tools/figures/draw_parallelisms.py
+	$(PY) tools/figures/draw_inside_results.py
 
 study-times: $(DEV)  ## rewrite each lesson's study-time estimate (and the README's) from its words and exercises
-	$(PY) tools/study_time.py --write
+	$(PY) tools/generate/study_time.py --write
 
 help:  ## this list
 	@awk 'BEGIN {FS = ":.*## "} /^##@/ {printf "\n%s\n", substr($$0, 5)} \

@@ -11,7 +11,8 @@ reduce-scatter then an all-gather, each N - 1 steps around the ring, so that eve
 primes) and counts the bytes each rank sends. --mode measure times both on float32 tensors from
 4 bytes to --max-mb MiB and fits lesson 6's cost model of a ring,
 t = 2 (N - 1) alpha + 2 (N - 1) / N x n / B: alpha the latency of one step of the ring, B the
-bandwidth of one rank's link, n the tensor's bytes. tools/draw_allreduce_cost.py draws the --json file.
+bandwidth of one rank's link, n the tensor's bytes. tools/figures/draw_allreduce_cost.py draws the
+--json file.
 A teaching script, with none of the hardening of mnist_ddp_cpu.py.
 """
 import json

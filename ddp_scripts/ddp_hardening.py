@@ -12,6 +12,7 @@ the plain code it stands for:
     master_port()                              str(free_port())
     progress(steps, desc, show)                tqdm(steps, desc=desc, leave=False, disable=not show)
     add_hardening_flags(parser)                nothing: adds --prepare-timeout, accepts --local-rank
+    save_whole(obj, path)                      torch.save(obj, path), never half a file
 
 What it takes from the caller is what it is passed (the script's main, parse_args, worker and
 check functions); it never reaches into the script that imports it. What it needs of them:
@@ -84,6 +85,20 @@ def write_metrics(path, metrics):
     with open(f"{path}.part", "w") as f:
         json.dump(metrics, f, indent=2)
     os.replace(f"{path}.part", path)
+
+
+def save_whole(obj, path):
+    """torch.save(obj, path), but no reader ever sees half a file: written beside it under a name
+    of this host and process, then renamed; a failed write leaves nothing behind."""
+    part = f"{path}.{socket.gethostname()}.{os.getpid()}.part"
+    try:
+        with open(part, "wb") as f:  # (a Python file: failures are OSErrors with a reason)
+            torch.save(obj, f)
+        os.replace(part, path)  # atomic
+    except BaseException:
+        if os.path.isfile(part):
+            os.remove(part)
+        raise
 
 
 def free_port():

@@ -24,7 +24,7 @@ try:  # the course's modules, written once: copy them beside this file
     from gcn_parts import (GCN, amazon_products, check_sampler, eval_subset, fan_outs, have_amazon_products,
                            have_ogbn_products, loss_fn, metric_sums, metric_value, ogbn_products,
                            probability, sort_edges, synthetic_graph, worker_count)
-    from gcn_parts import PROCESSED, check_shared_memory, sampling_workers, save_whole  # lesson 4's own
+    from gcn_parts import PROCESSED, check_shared_memory, sampling_workers  # lesson 4's own
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
@@ -66,7 +66,7 @@ def mapped_copy(load, data_dir, processed):
         graph = {"x": data.x, "edge_index": data.edge_index, "y": data.y, "num_nodes": data.num_nodes,
                  "split": split, "metric": metric}
         try:
-            save_whole(graph, path)  # plain: torch.save(graph, path)
+            hardening.save_whole(graph, path)  # plain: torch.save(graph, path)
         except OSError as err:  # e.g. a read-only dataset folder: this rank keeps its own copy
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:
                 print(f"note: cannot save {path} ({err.strerror}): each rank holds its own copy of "

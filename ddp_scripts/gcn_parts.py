@@ -6,7 +6,7 @@ beside either, with ddp_hardening.py).
     GCN, loss_fn, metric_sums, metric_value      the model and how it is scored
     check_sampler()                     refuses, in one line, a PyG without a neighbour sampler
     fan_outs, worker_count, probability      argparse types of the lesson's flags
-    save_whole, check_shared_memory, sampling_workers   lesson 4's hardening (gcn_ddp.py calls them)
+    check_shared_memory, sampling_workers    lesson 4's own hardening (gcn_ddp.py calls them)
 """
 import argparse
 import os
@@ -242,20 +242,6 @@ def probability(text):
 
 
 # --------------------------------------------------------------------------- lesson 4's hardening
-def save_whole(obj, path):
-    """torch.save(obj, path), but no reader ever sees half a file: written beside it under a name
-    of this host and process, then renamed; a failed write leaves nothing behind."""
-    part = f"{path}.{socket.gethostname()}.{os.getpid()}.part"
-    try:
-        with open(part, "wb") as f:  # (a Python file: failures are OSErrors with a reason)
-            torch.save(obj, f)
-        os.replace(part, path)  # atomic
-    except BaseException:
-        if os.path.isfile(part):
-            os.remove(part)
-        raise
-
-
 def check_shared_memory(data, split, folder="/dev/shm"):
     """mp.spawn's ranks share the graph through shared memory, which is /dev/shm on Linux, and a
     container may have made it small (Docker's default: 64 MB). Refuse a graph that does not fit,

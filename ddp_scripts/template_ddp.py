@@ -7,10 +7,10 @@
 Copy it with ddp_hardening.py beside it: the two files train in an empty folder as they come (a
 small regression network on a synthetic data set that the script writes itself), before you change
 anything; they need only torch (tqdm optional). To port a project, replace the functions of the YOUR
-PROJECT part (flags, data, model, optimizer, loss, evaluation sums, checks) and leave the rest: the
-DDP steps below them and the hardening module's calls (timeouts, one-line errors, a whole job that
-stops when one rank fails, torchrun's restarts and several machines) work for any project that fits
-these functions.
+PROJECT part (flags, data, model, optimizer, loss, metrics, which model to keep, checks) and leave
+the rest: the DDP steps below them and the hardening module's calls (timeouts, one-line errors, a
+whole job that stops when one rank fails, torchrun's restarts and several machines) work for any
+project that fits these functions.
 """
 import os
 import sys
@@ -33,12 +33,16 @@ from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positiv
 
 
 # =============================================================================== YOUR PROJECT
-# Replace these functions with your project's. A batch is whatever your DataLoader yields (here a
-# tuple of tensors); the script moves its tensors to the device and hands it to loss_on() and
-# eval_sums() as it is.
+# Replace these with your project's. A batch is whatever your DataLoader yields (here a tuple of
+# tensors); the script moves its tensors to the device and hands it to loss_on() and eval_sums()
+# as it is. A port changes nothing below this part.
+
+DESCRIPTION = "Train a small regression network on a synthetic data set under DDP (the template)."
+
 
 def add_project_flags(parser):
-    """Your project's own flags (the training flags, --epochs --batch-size --lr ..., are below)."""
+    """Your project's own flags. The training flags (--epochs --batch-size --lr ...) are defined
+    already: parser.set_defaults(lr=1e-3, epochs=20) gives them your project's defaults."""
     parser.add_argument("--data", type=str, default="data/synthetic_regression.pt",
                         help="the data file (the default one is written on first use)")
     parser.add_argument("--hidden", type=positive(int), default=64, help="hidden units")
@@ -61,18 +65,21 @@ def prepare_data(args):
 
 
 def load_datasets(args):
-    """(train set, test set): torch Datasets, loaded by every rank."""
+    """(train set, test set, info), loaded by every rank: two torch Datasets, and a dict of what the
+    model and the checkpoint need to know about the data (sizes, categories, the statistics of a
+    normalisation computed on the training set, ...)."""
     try:
         data = torch.load(args.data, weights_only=True)
     except (OSError, RuntimeError, KeyError) as err:
         raise UsageError(f"cannot read {args.data}: {err}") from None
     train_count = len(data["x"]) * 5 // 6
     return (TensorDataset(data["x"][:train_count], data["y"][:train_count]),
-            TensorDataset(data["x"][train_count:], data["y"][train_count:]))
+            TensorDataset(data["x"][train_count:], data["y"][train_count:]),
+            {"features": data["x"].shape[1]})
 
 
-def build_model(args):
-    return nn.Sequential(nn.Linear(8, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+def build_model(args, info):
+    return nn.Sequential(nn.Linear(info["features"], args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
 
 
 def make_optimizer(model, args):
@@ -86,11 +93,28 @@ def loss_on(model, batch):
 
 
 def eval_sums(model, batch):
-    """Sums over one evaluation batch, as a dict with a "count" entry. They are added up over the
-    batches and the ranks, then each other entry is divided by the count: exact means, whatever
-    size each rank's share has."""
+    """Sums over one evaluation batch, as a dict with a "count" entry, added up over the batches and
+    the ranks before metrics() sees them: exact whatever size each rank's share has."""
     x, y = batch
     return {"loss": F.mse_loss(model(x), y, reduction="sum"), "count": torch.tensor(len(y))}
+
+
+def metrics(sums):
+    """The test metrics, from the sums over the whole test set: here each a mean (an RMSE would be
+    the square root of one, an F1 score a ratio of counts)."""
+    return {name: value / sums["count"] for name, value in sums.items() if name != "count"}
+
+
+def better(metrics, best):
+    """Whether this epoch's model is the one that --save keeps (best: the metrics of the one kept so
+    far, None at first). Here the last one; the best: `best is None or metrics["loss"] < best["loss"]`."""
+    return True
+
+
+def checkpoint(model, info):
+    """What --save writes: the plain model's weights; return a dict to add what using the model
+    needs (info's categories or normalisation statistics, ...)."""
+    return model.state_dict()
 
 
 def check_setup(args, rank):
@@ -103,18 +127,20 @@ def check_setup(args, rank):
 
 # =============================================================================== DDP steps
 def to_device(batch, device):
-    """The batch with its tensors on the device (a tuple, list or dict of tensors, or one)."""
+    """The batch with its tensors on the device (tensors in tuples, lists and dicts; the rest as is)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
-    return type(batch)(to_device(v, device) for v in batch)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 @torch.no_grad()
 def evaluate(model, test_set, args, device, rank, world_size):
     """eval_sums() over this rank's share of the test set (every world_size-th sample: disjoint
-    shares, each sample once), added up over the ranks."""
+    shares, each sample once), added up over the ranks: {name: sum}."""
     model.eval()
     share = Subset(test_set, range(rank, len(test_set), world_size))
     weight = 1.0 if len(share) else 0.0  # a rank with no sample adds zeros, but still takes part
@@ -125,21 +151,21 @@ def evaluate(model, test_set, args, device, rank, world_size):
         batch_sums = eval_sums(model, to_device(batch, device))
         names = names or list(batch_sums)
         sums = sums + weight * torch.stack([batch_sums[n].to(device, torch.float64) for n in names])
-    dist.all_reduce(sums)  # SUM, then divide once: exact means whatever each share's size
+    dist.all_reduce(sums)  # SUM over the ranks, then metrics() divides once
     model.train()
-    count = sums[names.index("count")]
-    return {n: (s / count).item() for n, s in zip(names, sums) if n != "count"}
+    return {name: value.item() for name, value in zip(names, sums)}
 
 
 def train(rank, local_rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    train_set, test_set = load_datasets(args)
+    train_set, test_set, info = load_datasets(args)
 
     # 2. Build the model, then wrap it: the same seed gives every rank the same start (DDP also
     #    broadcasts rank 0's weights); a per-rank seed afterwards decorrelates dropout.
     torch.manual_seed(args.seed)
-    model = DDP(build_model(args).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
+    model = DDP(build_model(args, info).to(device),
+                device_ids=[local_rank] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)
     optimizer = make_optimizer(model, args)
 
@@ -153,7 +179,7 @@ def train(rank, local_rank, world_size, args):
     log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
     log(f"training: {world_size} processes on {device.type} ({args.backend}), batch {args.batch_size} "
         f"per process ({args.batch_size * world_size} in all)", flush=True)
-    history, steps, start = [], 0, time.perf_counter()
+    history, steps, start, best = [], 0, time.perf_counter(), None
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
@@ -175,29 +201,30 @@ def train(rank, local_rank, world_size, args):
         seconds = time.perf_counter() - epoch_start
 
         # 5. Evaluate across ranks: sums over each rank's share, added up, divided once.
-        metrics = evaluate(model.module, test_set, args, device, rank, world_size)
+        scores = metrics(evaluate(model.module, test_set, args, device, rank, world_size))
         train_loss = torch.stack([loss_sum.double(), torch.tensor(seen, dtype=torch.float64, device=device)])
         dist.all_reduce(train_loss)
         samples = int(train_loss[1]) * args.batch_size  # batches of all ranks (the last may be short)
         history.append({"epoch": epoch, "train_loss": (train_loss[0] / train_loss[1]).item(),
-                        **{f"test_{k}": v for k, v in metrics.items()}, "seconds": seconds,
+                        **{f"test_{k}": v for k, v in scores.items()}, "seconds": seconds,
                         "samples_per_second": samples / seconds, "steps": steps})
         log(f"epoch {epoch}: train loss {history[-1]['train_loss']:.4f}  "
-            + "  ".join(f"test {k} {v:.4f}" for k, v in metrics.items())
+            + "  ".join(f"test {k} {v:.4f}" for k, v in scores.items())
             + f"  {seconds:.1f} s  {samples / seconds:,.0f} samples/s", flush=True)
+        if rank == 0 and args.save and better(scores, best):  # 6. rank 0 saves: the plain model.module
+            best = scores
+            # plain: torch.save(to_device(checkpoint(model.module, info), "cpu"), args.save)
+            hardening.save_whole(to_device(checkpoint(model.module, info), "cpu"), args.save)
         if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
             write_metrics(args.metrics_json, {"world_size": world_size, "device": args.device,
                                               "batch_size": args.batch_size, "epochs": history})
         if steps == args.max_steps:
             break
 
-    # 6. Print and save on rank 0 only; model.module is the plain model, its names without "module.".
-    if rank == 0:
+    if rank == 0:  # print on rank 0 only; what --save keeps was saved after its epoch
         print(f"done: {world_size} processes, {steps} steps, "
-              + ", ".join(f"test {k} {v:.4f}" for k, v in metrics.items())
+              + ", ".join(f"test {k} {v:.4f}" for k, v in scores.items())
               + f", {time.perf_counter() - start:.1f} s in all", flush=True)
-        if args.save:
-            torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
 
 
 def worker(rank, world_size, args):
@@ -253,8 +280,7 @@ def main(args):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    add_project_flags(p)
+    p = Parser(description=DESCRIPTION, allow_abbrev=False)
     p.add_argument("--epochs", type=positive(int), default=1)
     p.add_argument("--batch-size", type=positive(int), default=64, help="per process")
     p.add_argument("--lr", type=positive(float), default=0.05)
@@ -271,12 +297,14 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--save", type=str, default=None,
+                   help="write checkpoint() here after each epoch that better() accepts")
     p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     p.add_argument("--timeout", type=positive(int), default=300,
                    help="seconds any collective may wait for the other ranks before failing")
     hardening.add_hardening_flags(p, prepare=prepare_data is not None)  # plain: nothing
+    add_project_flags(p)  # last: its set_defaults() reach the flags above
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"

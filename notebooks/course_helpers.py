@@ -56,13 +56,12 @@ def run(*args, check=True, memory=None):
 def start(argv, env, watched=False):
     """subprocess.Popen([python, *argv]), its output and errors as one stream of lines. In the test
     suite (COURSE_PRELOADED=1, set by tests/conftest.py), forked instead from a Python that has
-    imported torch already (tests/launcher.py): the same run, seconds sooner. Not for a run whose
+    imported torch already (launcher.py, beside this file): the same run, seconds sooner. Not for a run whose
     memory is measured (its pages would be shared with that Python)."""
     if os.environ.get("COURSE_PRELOADED") == "1" and not watched:
         global LAUNCHER
         if LAUNCHER is None:
-            sys.path.insert(0, str(REPO / "tests"))
-            from launcher import Launcher
+            from launcher import Launcher  # beside this file
 
             LAUNCHER = Launcher(existing=os.environ.get("COURSE_LAUNCHER"))  # the suite's, if it runs
         return LAUNCHER.popen(argv, env, REPO, merge=True)

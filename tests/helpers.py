@@ -18,11 +18,14 @@ from unittest import mock
 import psutil
 import pytest
 import torch
-from launcher import Launcher
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "notebooks"))  # the launcher, the notebooks' helpers: tests use them
+from course_helpers import COURSE_MODULES  # noqa: E402
+from launcher import Launcher  # noqa: E402
+
 SCRIPTS = REPO / "ddp_scripts"
-MODULES = {"ddp_hardening.py", "mnist_parts.py", "gcn_parts.py"}  # what the scripts import; no script
+MODULES = set(COURSE_MODULES)  # what the scripts import; no script
 DATA_DIR = REPO / "data"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -84,7 +87,7 @@ def torchrun(nprocs):
 def run_script(script, *args, timeout=240, env=None, launcher=None, cwd=REPO, fresh=False):
     """Run ddp_scripts/<script> (or under `launcher`, e.g. torchrun) as `python ...` would, and return
     the result (a CompletedProcess). The process is forked from a Python with torch already imported
-    (tests/launcher.py), which saves each launch 2-3 s; fresh=True (or COURSE_PRELOADED=0 for the
+    (notebooks/launcher.py), which saves each launch 2-3 s; fresh=True (or COURSE_PRELOADED=0 for the
     whole suite) starts a new interpreter instead."""
     command = (launcher or []) + [str(SCRIPTS / script)] + [str(a) for a in args]
     env = env or script_env()
@@ -108,7 +111,7 @@ def course_session():
     """The session's defaults, for tests and notebooks alike (both conftest.py files call it): the
     notebooks run in smoke mode, tiny runs, unless COURSE_SMOKE=0 (their kernels inherit this
     environment); every launch (course_helpers.run, run_script) is forked from one Python with
-    torch imported already (tests/launcher.py), unless COURSE_PRELOADED=0."""
+    torch imported already (notebooks/launcher.py), unless COURSE_PRELOADED=0."""
     os.environ.setdefault("COURSE_SMOKE", "1")
     os.environ.setdefault("COURSE_PRELOADED", "1")
 
@@ -272,10 +275,21 @@ JOBS = {
 }
 
 
+def command_line(process):
+    """A process's command line; "" once it has ended, zombie (exited, not yet reaped) or gone."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # psutil.ZombieProcess included
+        return ""
+
+
 def ranks_of(launcher):
-    """The launcher's worker processes (not multiprocessing's resource tracker)."""
+    """The launcher's worker processes: its live Python children but multiprocessing's resource
+    tracker. Not every child is a rank: importing torch runs `/sbin/ldconfig -p` (cuda-pathfinder's
+    ctypes.util.find_library("dl")), a child that is a zombie for a moment after it exits."""
     return [p for p in psutil.Process(launcher.pid).children()
-            if "resource_tracker" not in " ".join(p.cmdline())]
+            if "python" in os.path.basename(command_line(p).split(" ")[0])
+            and "resource_tracker" not in command_line(p)]
 
 
 @contextlib.contextmanager
@@ -309,7 +323,7 @@ def training_job(script, data, under_torchrun=False, starting=False, start_metho
         ranks = ranks_of(launcher)
         if len(ranks) != 2 or launcher.poll() is not None:  # say what was there, for a rare failure
             ended = launcher.poll() is not None
-            raise AssertionError(f"ranks {[(p.pid, p.cmdline()[-3:]) for p in ranks]}, launcher "
+            raise AssertionError(f"ranks {[(p.pid, command_line(p)[-60:]) for p in ranks]}, launcher "
                                  + (f"ended with {launcher.returncode}: {launcher.communicate()}" if ended
                                     else "running"))
         family = psutil.Process(launcher.pid).children(recursive=True)
@@ -329,7 +343,7 @@ def ends_promptly_and_whole(launcher, family, since, tracebacks_allowed=False):
     _, stderr = launcher.communicate(timeout=60)
     assert time.monotonic() - since < 20
     _, alive = psutil.wait_procs(family, timeout=15)
-    assert not alive, f"left behind: {[(p.pid, ' '.join(p.cmdline())[:80]) for p in alive]}"
+    assert not alive, f"left behind: {[(p.pid, command_line(p)[:80]) for p in alive]}"
     if not tracebacks_allowed:
         assert "Traceback" not in stderr, stderr
     return stderr

@@ -36,7 +36,7 @@ def test_the_rank_left_after_a_kill_under_torchrun_ends_in_its_line_not_aborted(
     and ends with exit code 1 through leave(), as a finished rank does (decision 8). Ended through
     Python's shutdown instead (sys.exit), it was killed by SIGABRT after its line in 2 of 16 runs
     here ("terminate called without an active exception"), and torchrun named it, exit code -6, as
-    the first failure. The ranks are forked from the preloaded Python (tests/launcher.py) and end
+    the first failure. The ranks are forked from the preloaded Python (notebooks/launcher.py) and end
     as the script ends them. Each run about 5 s.
 
     Who ends rank 0 is a race: rank 0 finds the closed connection about 40 ms after the kill (more

@@ -1,4 +1,4 @@
-"""tools/netlab.py: two hosts on one machine, each with its own network, address and hostname, joined
+"""tools/lab/netlab.py: two hosts on one machine, each with its own network, address and hostname, joined
 by one link of a set bandwidth, and nothing left behind (root only: skipped otherwise)."""
 import contextlib
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import EQUALITY_FLAGS, REPO, SCRIPTS, assert_one_line_error, max_abs_diff, script_env
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "lab"))
 import netlab  # noqa: E402
 
 PREFIX = "ddptest-net"  # not the default: a lab someone brought up by hand stays up
@@ -96,7 +96,7 @@ def test_netlab_without_root_says_what_is_needed(capsys):
         if shutil.which("setpriv") is None:
             pytest.skip("setpriv (util-linux) not found: cannot drop root to try")
         result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                 sys.executable, str(REPO / "tools" / "netlab.py"), "up"],
+                                 sys.executable, str(REPO / "tools" / "lab" / "netlab.py"), "up"],
                                 capture_output=True, text=True, timeout=20, cwd="/")
         code, stderr = result.returncode, result.stderr
     else:

@@ -1,4 +1,4 @@
-"""tools/slurm_lab.py: a Slurm cluster of two nodes, one per netlab host, that enforces CPUs per task
+"""tools/lab/slurm_lab.py: a Slurm cluster of two nodes, one per netlab host, that enforces CPUs per task
 (task/affinity), runs a job across both nodes and is stopped and removed afterwards (root only:
 skipped otherwise; slurm-wlm is installed with apt-get when absent)."""
 import gzip
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "lab"))
 import netlab  # noqa: E402
 import slurm_lab  # noqa: E402
 

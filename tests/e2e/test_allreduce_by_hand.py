@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import REPO, load_script, run_script
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "figures"))
 import draw_allreduce_cost  # noqa: E402
 
 SCRIPT = "allreduce_by_hand.py"
@@ -24,7 +24,7 @@ CHECK_LINE = re.compile(r"^(ok|MISMATCH)\s+(\w+)\s+(\([\d, ]*\)).*rank 0 sent\s+
                 ids=["2 ranks", "3 ranks"])
 def checked(request):
     """The check mode with N ranks, run once for the tests below: (N, its result). 3 ranks: in a new
-    interpreter, the ranks started by mp.spawn's real spawn (tests/launcher.py)."""
+    interpreter, the ranks started by mp.spawn's real spawn (notebooks/launcher.py)."""
     return request.param, run_script(SCRIPT, "--nprocs", request.param, timeout=120, fresh=request.param == 3)
 
 

@@ -55,7 +55,7 @@ def test_the_script_in_each_mode_takes_the_steps_of_ddp_and_of_one_process(train
     common = ["--nprocs", world_size, "--batch-size", batch]
     bucket = ["--bucket-mb", 0.01] if mode == "bucketed" else []
     # overlap: in a new interpreter, its ranks started by mp.spawn's real spawn (the others are
-    # forked from the suite's preloaded Python, tests/launcher.py)
+    # forked from the suite's preloaded Python, notebooks/launcher.py)
     by_hand = trained("mnist_by_hand.py", "--sync", mode, *bucket, *common, fresh=mode == "overlap")
     ddp = trained("mnist_ddp_cpu.py", *common)
     single = trained("mnist_single.py", "--batch-size", world_size * batch)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import REPO, load_script, max_abs_diff, read_metrics, run_script, torchrun
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "figures"))
 import draw_sharding  # noqa: E402  (lesson 10's figure of what each rank holds)
 
 CPU = ["--backend", "gloo", "--device", "cpu", "--no-shuffle", "--quiet"]
@@ -79,7 +79,7 @@ def test_each_rank_holds_less_of_the_state(run):
     assert max(state["zero"]) < state["ddp"][0]
     weights_and_gradients = 2 * MLP_PARAMETERS * 4 / MIB
     assert sum(s - weights_and_gradients for s in state["zero"]) == pytest.approx(whole / 2, abs=0.01)
-    # Lesson 10's figure (tools/draw_sharding.py) draws what each rank holds: the same, rank by rank
+    # Lesson 10's figure (tools/figures/draw_sharding.py) draws what each rank holds: the same, rank by rank
     # (AdamW's step counts, 4 bytes a tensor, aside).
     shapes = [(2048, 784), (2048,), (2048, 2048), (2048,), (10, 2048), (10,)]
     for shard, mode in (("ddp", "DDP"), ("zero", "ZeRO-1"), ("fsdp", "FSDP")):

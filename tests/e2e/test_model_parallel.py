@@ -40,7 +40,7 @@ def train(tmp_path, data_args, mode, *args):
     r = run_script(SCRIPT.name, "--mode", mode, "--nprocs", "2", "--width", WIDTH, "--batch-size", BATCH,
                    "--lr", LR, "--max-steps", STEPS, "--no-shuffle", "--save", weights, "--metrics-json",
                    metrics, "--quiet", *data_args, *args, timeout=180,
-                   fresh=mode == "pp")  # its ranks started by a real spawn (tests/launcher.py)
+                   fresh=mode == "pp")  # its ranks started by a real spawn (notebooks/launcher.py)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("done:"), r.stdout
     return torch.load(weights), read_metrics(metrics), r.stdout

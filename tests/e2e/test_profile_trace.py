@@ -1,13 +1,13 @@
 """--profile DIR: a torch.profiler trace per rank, with backward's operators and the all-reduces on
 Gloo's threads (mnist_ddp_comm.py); and the claim of figures/ddp_overlap_trace.png, read from
-traces by tools/draw_overlap_trace.py's parsing: the by-hand overlap mode starts an all-reduce
+traces by tools/figures/draw_overlap_trace.py's parsing: the by-hand overlap mode starts an all-reduce
 while backward still computes, the per-tensor mode never does."""
 import sys
 
 import pytest
 from helpers import REPO, load_script, refused_in_process, run_script
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "figures"))
 import draw_overlap_trace as trace  # noqa: E402
 
 MLP = ["--nprocs", 2, "--model", "mlp", "--max-steps", 6, "--threads-per-proc", 1]

@@ -73,11 +73,11 @@ def test_why_a_parallel_product_rules_fork_out():
 
 @pytest.mark.slow
 def test_the_start_up_benchmark_runs_and_reports_every_row(tmp_path, dataset):
-    """tools/bench_startup.py (make bench) once per row: it measures, it does not judge."""
+    """tools/bench/bench_startup.py (make bench) once per row: it measures, it does not judge."""
     from helpers import DATA_DIR, REPO
 
     out = tmp_path / "startup.json"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_startup.py"), "--repeats", "1",
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "bench_startup.py"), "--repeats", "1",
                         "--data-dir", str(DATA_DIR), "--json", str(out)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

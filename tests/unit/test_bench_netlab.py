@@ -1,11 +1,11 @@
-"""tools/bench_netlab.py's report and figures, from a run's JSON (the measurement itself needs root
+"""tools/bench/bench_netlab.py's report and figures, from a run's JSON (the measurement itself needs root
 and about thirty minutes: `make bench`; tests/cluster/test_netlab.py checks the lab it runs on)."""
 import subprocess
 import sys
 
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "bench"))
 import bench_netlab  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def test_a_run_from_before_the_rounds_reads_as_one_run_each(capsys):
 def test_draw_writes_the_three_figures_from_a_runs_json(tmp_path):
     run = tmp_path / "netlab.json"
     run.write_text(__import__("json").dumps(a_run()))
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_netlab.py"), "--draw", str(run),
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "bench_netlab.py"), "--draw", str(run),
                         "--figures", str(tmp_path / "figures")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     for name in ("netlab_allreduce.png", "netlab_training.png", "netlab_sharding.png"):

@@ -1,6 +1,6 @@
-"""Lesson 9's measured figure (tools/draw_inside_results.py) draws from the committed data, and
+"""Lesson 9's measured figure (tools/figures/draw_inside_results.py) draws from the committed data, and
 --collect reads what the benchmarks write, never mixing two sizes of all-reduce; the lab benchmark
-of the ring's order (tools/bench_ring_order.py, root only) swaps exactly the two posts of the
+of the ring's order (tools/bench/bench_ring_order.py, root only) swaps exactly the two posts of the
 script's ring."""
 import inspect
 import json
@@ -10,14 +10,16 @@ import sys
 import pytest
 from helpers import REPO, load_script
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+sys.path.insert(0, str(REPO / "tools" / "figures"))
 import bench_ring_order  # noqa: E402
 import draw_inside_results  # noqa: E402
 
 
 def test_the_committed_data_draws_the_lessons_figure(tmp_path):
     png = tmp_path / "figure.png"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "draw_inside_results.py"), "--out", str(png)],
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "figures" / "draw_inside_results.py"),
+                        "--out", str(png)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000

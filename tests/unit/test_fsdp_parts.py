@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import REPO, load_script, refused_in_process
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "figures"))
 import draw_sharding  # noqa: E402  (lesson 10's figure of what each rank holds)
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
@@ -184,7 +184,7 @@ def test_the_state_counted_is_parameters_gradients_and_adamw(one_rank_group, fsd
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_sharding_figure_deals_the_state_as_torch_does(one_rank_group, fsdp_script, world_size):
-    """tools/draw_sharding.py's shares, against torch 2.14.1's own rules: ZeroRedundancyOptimizer's
+    """tools/figures/draw_sharding.py's shares, against torch 2.14.1's own rules: ZeroRedundancyOptimizer's
     partition of the MLP's parameters (its method, run as if the group had world_size ranks) and
     fully_shard's cut of each tensor's rows (_chunk_with_empty, the function it calls)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty

@@ -17,7 +17,8 @@ def test_notebook_is_generated_from_the_current_scripts():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "build_kaggle_notebook.py"), "--check"],
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "generate" / "build_kaggle_notebook.py"),
+                        "--check"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

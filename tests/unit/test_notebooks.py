@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "generate"))
 import study_time  # noqa: E402
 
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -80,7 +80,7 @@ def test_readme_gives_each_lessons_times_as_its_notebook_does():
 
 @pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
 def test_the_study_time_follows_its_rule(path):
-    """Each lesson states its study time, estimated by one rule (tools/study_time.py: words at
+    """Each lesson states its study time, estimated by one rule (tools/generate/study_time.py: words at
     150 a minute, 5 minutes an exercise), labelled as an estimate; it changes with the lesson."""
     minutes, words, exercises = study_time.estimate(path)
     assert words > 500 and exercises >= 2
@@ -136,7 +136,7 @@ def test_every_notebook_runs_as_a_test():
 
 
 def test_papermill_runs_a_notebook_with_its_parameters(tmp_path):
-    """make notebooks (tools/run_notebooks.py): papermill overrides the first cell's parameters,
+    """make notebooks (tools/generate/run_notebooks.py): papermill overrides the first cell's parameters,
     the executed copy is written, a failing cell fails the run."""
     import subprocess
     import sys
@@ -149,7 +149,7 @@ def test_papermill_runs_a_notebook_with_its_parameters(tmp_path):
     path = tmp_path / "01_tiny.ipynb"
     nbformat.write(nb, path)
     out = tmp_path / "out"
-    runner = [sys.executable, str(REPO / "tools" / "run_notebooks.py"), "--out", str(out)]
+    runner = [sys.executable, str(REPO / "tools" / "generate" / "run_notebooks.py"), "--out", str(out)]
     r = subprocess.run([*runner, "--smoke", str(path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     executed = nbformat.read(out / path.name, as_version=4)
@@ -162,7 +162,7 @@ def test_papermill_runs_a_notebook_with_its_parameters(tmp_path):
 
 
 def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
-    """tools/run_notebook_plain.py, for the GPU machine that has no Jupyter: cells share one
+    """tools/generate/run_notebook_plain.py, for the GPU machine that has no Jupyter: cells share one
     namespace, run in the notebook's folder, display() prints, magics are skipped, errors fail."""
     import subprocess
     import sys
@@ -176,7 +176,7 @@ def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
     path = tmp_path / "nb" / "x.ipynb"
     path.parent.mkdir()
     nbformat.write(nb, path)
-    runner = [sys.executable, str(REPO / "tools" / "run_notebook_plain.py"), str(path)]
+    runner = [sys.executable, str(REPO / "tools" / "generate" / "run_notebook_plain.py"), str(path)]
     r = subprocess.run([*runner, "--smoke"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "smoke=1 here=nb" in r.stdout and "every code cell ran" in r.stdout
@@ -241,7 +241,7 @@ def test_captured_output_is_shown_and_kept(capsys):
 
 
 def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
-    """tools/render_html.py (make html): a page per executed notebook, its figures embedded (they
+    """tools/generate/render_html.py (make html): a page per executed notebook, its figures embedded (they
     are found from notebooks/, where the notebook was written), links to other lessons turned
     into links to their pages, and an index page listing every lesson by its title."""
     import subprocess
@@ -256,7 +256,8 @@ def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
                     nbformat.v4.new_output("stream", name="stdout", text="an output of the run\n")])]
     nbformat.write(nb, executed / "09_a_title.ipynb")
     out = tmp_path / "html"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(executed),
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "generate" / "render_html.py"),
+                        "--notebooks", str(executed),
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     page = (out / "09_a_title.html").read_text()
@@ -267,19 +268,20 @@ def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
 
     empty = tmp_path / "nothing"
     empty.mkdir()
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "render_html.py"), "--notebooks", str(empty),
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "generate" / "render_html.py"),
+                        "--notebooks", str(empty),
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "run `make notebooks`" in r.stderr
 
 
-LAB_COMMANDS = r"tools/(netlab|slurm_lab)\.py"  # the network lab and its Slurm cluster, run as commands
+LAB_COMMANDS = r"tools/lab/(netlab|slurm_lab)\.py"  # the network lab and its Slurm cluster, run as commands
 
 
 def test_the_notebooks_need_nothing_from_the_maintainers_tools():
     """What a lesson imports lives with the lessons (course_helpers.py, course_demos.py); tools/ holds
     the maintainers' generators and benchmarks, which may import from notebooks/, not the reverse.
     The one exception: lesson 7 runs the network lab and its Slurm cluster as commands, as a reader
-    does by hand (sudo python3 tools/netlab.py up, make netlab-up); no lesson imports them."""
+    does by hand (sudo python3 tools/lab/netlab.py up, make netlab-up); no lesson imports them."""
     sources = [c.source for path in NOTEBOOKS for c in nbformat.read(path, as_version=4).cells
                if c.cell_type == "code"]
     sources += [p.read_text() for p in (REPO / "notebooks").glob("*.py")]

@@ -8,7 +8,7 @@ import time
 import pytest
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "setup"))
 import install_graph  # noqa: E402
 
 TAG = install_graph.PYTHON_TAG
@@ -86,9 +86,9 @@ def test_make_help_lists_every_target_in_its_group():
 
 
 def test_the_gpu_session_names_tests_and_scripts_that_exist():
-    """tools/gpu_session.sh runs chosen tests and scripts on a GPU machine; a path that has moved
+    """tools/gpu/gpu_session.sh runs chosen tests and scripts on a GPU machine; a path that has moved
     would only show there, as a missing file, in the little time such a machine is at hand."""
-    text = (REPO / "tools" / "gpu_session.sh").read_text()
+    text = (REPO / "tools" / "gpu" / "gpu_session.sh").read_text()
     paths = set(re.findall(r"\b((?:tests|ddp_scripts|tools|notebooks)/[\w/]+\.(?:py|ipynb))", text))
     assert {"tests/e2e/test_resume.py", "tests/unit/test_gpu_checks.py", "ddp_scripts/mnist_fsdp.py"} <= paths
     assert not [p for p in paths if not (REPO / p).exists()]

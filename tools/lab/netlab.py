@@ -10,12 +10,12 @@ from that file: nsswitch.conf there says `hosts: files`, the lab has no DNS). Th
 bandwidth is a token bucket (tc tbf) on both ends, so both directions are capped; there is no added
 latency. The file system is shared: the repository and its .venv are the same in every host.
 
-    python3 tools/netlab.py up --rate 1gbit           # make the lab (removes a stale one first)
-    python3 tools/netlab.py run host0 -- hostname     # run a command in a host
-    python3 tools/netlab.py set-rate 100mbit          # change the bandwidth (none: uncapped)
-    python3 tools/netlab.py link host1 down           # cut host1 off (link host1 up: back)
-    python3 tools/netlab.py status
-    python3 tools/netlab.py down                      # remove everything the lab made
+    python3 tools/lab/netlab.py up --rate 1gbit           # make the lab (removes a stale one first)
+    python3 tools/lab/netlab.py run host0 -- hostname     # run a command in a host
+    python3 tools/lab/netlab.py set-rate 100mbit          # change the bandwidth (none: uncapped)
+    python3 tools/lab/netlab.py link host1 down           # cut host1 off (link host1 up: back)
+    python3 tools/lab/netlab.py status
+    python3 tools/lab/netlab.py down                      # remove everything the lab made
 
 From Python (the lab is removed on leaving the block, also after an exception or Ctrl-C):
 
@@ -47,7 +47,7 @@ RATE_UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbi
               "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12}
 PREFIX_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 HOST_NAME = re.compile(r"^[a-z][a-z0-9]*$")  # no '-': `<prefix>-<host>` names one lab's parts only
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LabError(RuntimeError):
@@ -237,7 +237,7 @@ class Lab:
         check_requirements()
         found = namespaces(prefix)
         if len(found) != 2:
-            raise LabError(f"netlab: no lab {prefix!r} is up (run: python3 tools/netlab.py up)")
+            raise LabError(f"netlab: no lab {prefix!r} is up (run: python3 tools/lab/netlab.py up)")
         hosts = [n[len(prefix) + 1:] for n in found]
         lab = cls(prefix, hosts=hosts)
         for host in hosts:

@@ -2,7 +2,7 @@
 made the ring take twice Gloo's time across a capped link: the order in which each step posts its
 receive and its send.
 
-Two lab hosts (tools/netlab.py), one rank and one torch thread each, Gloo, at each rate of the link
+Two lab hosts (tools/lab/netlab.py), one rank and one torch thread each, Gloo, at each rate of the link
 (uncapped, 1 Gbit/s, 100 Mbit/s by default), in --rounds interleaved rounds of --repeats timed runs
 (after one warm-up), each run as long as its slower rank took:
   gloo             dist.all_reduce of --mib MiB of float32
@@ -10,10 +10,10 @@ Two lab hosts (tools/netlab.py), one rank and one torch thread each, Gloo, at ea
   ring, send first the same function with the two posts of each step swapped (send, then receive)
   step, ...        one step alone: half the tensor each way at once, in either order
   one way          half the tensor in one direction only (what the link's rate allows)
-Writes build/bench/ring_order.json and prints the medians. tools/draw_inside_results.py --collect
+Writes build/bench/ring_order.json and prints the medians. tools/figures/draw_inside_results.py --collect
 copies the medians into lesson 9's figure data.
 
-    sudo .venv/bin/python tools/bench_ring_order.py [--rates none,10gbit,1gbit,100mbit] [--mib 16]
+    sudo .venv/bin/python tools/bench/bench_ring_order.py [--rates none,10gbit,1gbit,100mbit] [--mib 16]
 
 Needs root (network namespaces, tc); without it, one line saying so and exit code 77.
 """
@@ -25,8 +25,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "lab"))
 import bench_netlab  # noqa: E402  (both_hosts, python, machine)
 import netlab  # noqa: E402
 
@@ -116,7 +116,7 @@ def measure(lab, mib, repeats, rounds):
     script = REPO / "ddp_scripts" / "allreduce_by_hand.py"
     results = bench_netlab.both_hosts(
         lab, [[bench_netlab.python(), "-c", RANK, rank, master, port, mib, repeats, rounds, script,
-               "|".join(CASES), REPO / "tools"] for rank in (0, 1)], timeout=1800)
+               "|".join(CASES), REPO / "tools" / "bench"] for rank in (0, 1)], timeout=1800)
     for code, out in results:
         if code != 0:
             raise RuntimeError(f"the all-reduce across the lab failed:\n{out}")

@@ -28,7 +28,7 @@ ran during backward.
 
 Writes build/bench/by_hand.json and figures/by_hand_step_time.png.
 
-    python tools/bench_by_hand.py [--repeats 3] [--rounds 8] [--block 5] [--plot-only]
+    python tools/bench/bench_by_hand.py [--repeats 3] [--rounds 8] [--block 5] [--plot-only]
 """
 import argparse
 import importlib.util
@@ -50,9 +50,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "figures"))
 import draw_overlap_trace  # noqa: E402  (the trace parsing)
 
 MODES = ["per-tensor", "flat", "overlap", "bucketed"]

@@ -7,7 +7,7 @@ and while the ranks run (the launcher alone builds the graph first, which can be
 Each run trains --steps optimizer steps per rank (so 2 ranks see twice the seed nodes) and
 scores --eval-nodes val and test nodes, which keeps a 1M-node graph to about a minute a run.
 
-    python tools/bench_gcn.py [--num-nodes 1000000] [--steps 100] [--repeats 3]
+    python tools/bench/bench_gcn.py [--num-nodes 1000000] [--steps 100] [--repeats 3]
 
 Writes build/bench/gcn.json. Goals from the lesson's issue, on 2 cores: 2 ranks at least 1.6x the
 throughput of 1 rank x 1 thread, and the 2-rank job's peak memory under 1.3x the 1-rank job's.
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "notebooks"))
 from course_helpers import PeakMemory  # noqa: E402
 

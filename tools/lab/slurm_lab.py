@@ -1,5 +1,5 @@
 """A Slurm cluster on one computer, from Debian's slurm-wlm: two nodes, one in each host of a
-netlab lab (tools/netlab.py), or one node on this machine's loopback (--local) (root only).
+netlab lab (tools/lab/netlab.py), or one node on this machine's loopback (--local) (root only).
 
 Each node is a slurmd in its lab host, with that host's name and address (`slurmd -N host0`,
 NodeAddr 10.77.0.1); slurmctld runs in the first host, and sbatch, srun, squeue and scontrol run
@@ -9,11 +9,11 @@ there too, with SLURM_CONF pointing at the slurm.conf this tool writes into a te
 two-core machine both nodes share the same two cores, which is fine for correctness, not speed.
 slurm-wlm is installed with apt-get when it is absent and this runs as root.
 
-    python3 tools/slurm_lab.py up                          # lab + cluster (a stale one is removed)
-    python3 tools/slurm_lab.py run -- sinfo -N
-    python3 tools/slurm_lab.py run -- sbatch --wait --cpus-per-task 2 launch/slurm_ddp.sbatch
-    python3 tools/slurm_lab.py status
-    python3 tools/slurm_lab.py down                        # stop the daemons, remove lab and folder
+    python3 tools/lab/slurm_lab.py up                          # lab + cluster (a stale one is removed)
+    python3 tools/lab/slurm_lab.py run -- sinfo -N
+    python3 tools/lab/slurm_lab.py run -- sbatch --wait --cpus-per-task 2 launch/slurm_ddp.sbatch
+    python3 tools/lab/slurm_lab.py status
+    python3 tools/lab/slurm_lab.py down                        # stop the daemons, remove lab and folder
 
 From Python (stopped and removed on leaving the blocks, also after an exception or Ctrl-C):
 
@@ -462,7 +462,7 @@ def existing(prefix=DEFAULT_PREFIX):
     try:
         info = json.loads((workdir / "cluster.json").read_text())
     except (OSError, ValueError):
-        raise SlurmError(f"slurm_lab: no cluster {prefix!r} is up (run: python3 tools/slurm_lab.py up)")
+        raise SlurmError(f"slurm_lab: no cluster {prefix!r} is up (run: python3 tools/lab/slurm_lab.py up)")
     lab = netlab.Lab.existing(info["lab"]) if info["lab"] else None
     return Cluster(lab, prefix=prefix, workdir=workdir)
 

@@ -1,7 +1,7 @@
 """Figure for lesson 4: one real mini-batch from PyG's NeighborLoader, drawn hop by hop (the
 drawing itself is notebooks/course_demos.py's, which notebook 04 uses on a batch of its own).
 
-    python tools/draw_sampled_batch.py [--out figures/gcn_sampled_batch.png]   (make figures)
+    python tools/figures/draw_sampled_batch.py [--out figures/gcn_sampled_batch.png]   (make figures)
 
 Needs PyG (make graph); without it, says so and redraws nothing.
 """
@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "notebooks"))
 import course_demos  # noqa: E402
 

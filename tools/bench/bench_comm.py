@@ -8,7 +8,7 @@ the median images/s is reported, as ratios side by side, with the all-reduce of 
 gradients timed alone (the script's start-up measurement, median over the runs).
 Writes build/bench/comm.json and figures/ddp_comm_cost.png.
 
-    python tools/bench_comm.py [--repeats 3] [--gpu]
+    python tools/bench/bench_comm.py [--repeats 3] [--gpu]
 """
 import argparse
 import json
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from bench import cores, cpu_name, run_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
 # Micro-batches of 64 per process and run: enough for a few seconds of training per model.
 MICRO_BATCHES = {"linear": 1200, "convnet": 200, "mlp": 200}

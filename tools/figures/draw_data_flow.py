@@ -6,7 +6,7 @@ own gradients; one all-reduce averages them; every rank applies the same average
 same weights, so the replicas stay equal. Drawn for 2 ranks, with made-up gradient values whose
 average is computed here, not typed in.
 
-    python tools/draw_data_flow.py [--out figures/ddp_data_flow.png]
+    python tools/figures/draw_data_flow.py [--out figures/ddp_data_flow.png]
 """
 import argparse
 from pathlib import Path
@@ -97,7 +97,7 @@ def draw(out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out",
-                        default=str(Path(__file__).resolve().parents[1] / "figures" / "ddp_data_flow.png"))
+                        default=str(Path(__file__).resolve().parents[2] / "figures" / "ddp_data_flow.png"))
     args = parser.parse_args()
     draw(args.out)
     print(f"wrote {args.out}")

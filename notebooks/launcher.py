@@ -1,5 +1,9 @@
 """A Python with torch already imported, from which the tests' launches are forked.
 
+It lives beside course_helpers.py, which launches through it when the notebooks run under the test
+suite (COURSE_PRELOADED=1, COURSE_LAUNCHER: the suite's running server); a reader's own run never
+uses it. The tests import it from here (tests/ uses notebooks/, never the reverse).
+
 A script launched by a test pays about 3 s before its first line runs (the interpreter and `import
 torch`), and a DDP rank 2 s more (DDP's constructor imports `torch._dynamo`). The suite launches
 scripts a few hundred times, and each launch starts two or three ranks. This server imports them
@@ -30,7 +34,7 @@ Protocol, over a Unix socket: a request is one JSON line {"argv", "env", "cwd", 
 answer is the child's pid. When a child ends, the server writes its exit code (negative: the signal
 that ended it) to `<status folder>/<pid>`.
 
-    python tests/launcher.py SOCKET STATUS_FOLDER
+    python notebooks/launcher.py SOCKET STATUS_FOLDER
 """
 import json
 import os
@@ -328,7 +332,7 @@ class Launcher:
         (self.folder / "status").mkdir()
         self.server = subprocess.Popen([sys.executable, __file__, self.address, str(self.folder / "status")],
                                        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        assert self.server.stdout.readline().strip() == "ready", "tests/launcher.py did not start"
+        assert self.server.stdout.readline().strip() == "ready", "notebooks/launcher.py did not start"
         atexit.register(self.stop)
 
     def stop(self):

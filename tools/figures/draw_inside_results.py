@@ -11,12 +11,12 @@ docs/MEASURED.md):
   across the lab    lesson 6's MLP trained across the lab: one bucket (no overlap) and 1 MiB buckets
                     against DDP's default buckets
 
-    python tools/draw_inside_results.py              # draw from the committed data
-    python tools/draw_inside_results.py --collect    # first take in what the benchmarks wrote
+    python tools/figures/draw_inside_results.py              # draw from the committed data
+    python tools/figures/draw_inside_results.py --collect    # first take in what the benchmarks wrote
 
 --collect replaces each part whose benchmark output is there: in build/bench/, allreduce.json and
 latency_n2.json, latency_n3.json, latency_n4.json (`make bench BENCH=allreduce`), by_hand.json
-(`make bench BENCH=by-hand`) and, as root, ring_order.json (tools/bench_ring_order.py); and the
+(`make bench BENCH=by-hand`) and, as root, ring_order.json (tools/bench/bench_ring_order.py); and the
 committed docs/measured/netlab.json (as root, `make bench BENCH=netlab`). The all-reduce's size
 is ring_order.json's (--mib): the one-machine bar is allreduce.json's row of that size, and
 --collect refuses to mix two sizes in panel (a).
@@ -27,11 +27,11 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "figures" / "ddp_inside_results.json"
 FIGURE = REPO / "figures" / "ddp_inside_results.png"
 BENCH = REPO / "build" / "bench"
-NETLAB = REPO / "docs" / "measured" / "netlab.json"  # committed: tools/bench_netlab.py writes it
+NETLAB = REPO / "docs" / "measured" / "netlab.json"  # committed: tools/bench/bench_netlab.py writes it
 SMALL = 4096  # bytes: the messages whose median time is the fixed cost
 LINKS = {"none": "lab, uncapped", "10gbit": "lab, 10 Gbit/s", "1gbit": "lab, 1 Gbit/s",
          "100mbit": "lab, 100 Mbit/s"}
@@ -69,10 +69,12 @@ def collect(data, bench=BENCH, netlab=NETLAB):
         row = next((r for r in run["rows"] if r["bytes"] == mib * 2**20), None)
         if row is None:
             raise ValueError(f"{allreduce} has no all-reduce of {mib:g} MiB, ring_order.json's size: "
-                             "rerun tools/bench_ring_order.py with a size measured on one machine (--mib 16)")
+                             "rerun tools/bench/bench_ring_order.py with a size measured on one machine "
+                             "(--mib 16)")
         m = run["machine"]
         one_machine = {"gloo_ms": ms(row["torch_s"]), "ring_ms": ms(row["ring_s"]),
-                       "source": f"tools/draw_allreduce_cost.py (make bench), {where(m, run['date'])}"}
+                       "source": f"tools/figures/draw_allreduce_cost.py (make bench), "
+                                 f"{where(m, run['date'])}"}
     elif mib != data["all_reduce"]["mib"]:
         raise ValueError(f"ring_order.json's all-reduce is {mib:g} MiB, the one-machine bar's "
                          f"{data['all_reduce']['mib']:g} MiB, and {allreduce} is missing: (a) would mix them")
@@ -100,7 +102,7 @@ def collect(data, bench=BENCH, netlab=NETLAB):
              "ring_ms": ms(r["median_s"]["ring"]),
              "ring_send_first_ms": ms(r["median_s"]["ring, send first"]),
              "wire_ms": None if r["wire_s"] is None else ms(r["wire_s"])} for r in run["rates"]]
-        data["all_reduce"]["lab_source"] = (f"tools/bench_ring_order.py, {run['statistic']}, "
+        data["all_reduce"]["lab_source"] = (f"tools/bench/bench_ring_order.py, {run['statistic']}, "
                                             f"{where(run['machine'], run['date'])}")
         replaced.append("all_reduce: lab")
     if (bench / "by_hand.json").exists():
@@ -111,7 +113,7 @@ def collect(data, bench=BENCH, netlab=NETLAB):
         data["step"] = {"rows": [{"model": model, "way": name, "ratio": round(r["vs_ddp"], 4),
                                   "quartiles": [round(q, 4) for q in r["vs_ddp_quartiles"]]}
                                  for (model, name), r in way.items()],
-                        "source": f"tools/bench_by_hand.py (make bench), {run['repeats']} launches x "
+                        "source": f"tools/bench/bench_by_hand.py (make bench), {run['repeats']} launches x "
                                   f"{run['rounds']} rounds, {where(m, m['date'])}"}
         replaced.append("step")
     if netlab.exists():
@@ -125,7 +127,7 @@ def collect(data, bench=BENCH, netlab=NETLAB):
                 rows.append({"link": rate["label"], "config": config,
                              "ratio": round(training[config]["images_per_second"] / base, 3),
                              "low": round(min(values), 3), "high": round(max(values), 3)})
-        data["lab_training"] = {"rows": rows, "source": f"tools/bench_netlab.py (make bench, root; "
+        data["lab_training"] = {"rows": rows, "source": f"tools/bench/bench_netlab.py (make bench, root; "
                                 f"docs/measured/netlab.json), median of {run['runs']} runs, "
                                 f"{where(run['machine'], run['date'])}"}
         replaced.append("lab_training")

@@ -2,7 +2,7 @@
 with an index page, in build/html/: the course with a full run's outputs, readable in any browser
 without Jupyter.
 
-    python tools/render_html.py [--notebooks build/notebooks] [--out build/html]
+    python tools/generate/render_html.py [--notebooks build/notebooks] [--out build/html]
 """
 import argparse
 import html
@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def title(path):

@@ -1,7 +1,7 @@
 """Figure for lesson 11: what each of two ranks holds and sends in one step of lesson 6's MLP under
 data parallelism (DDP), FSDP, tensor parallelism and pipeline parallelism.
 
-    python tools/draw_parallelisms.py [--out figures/parallelisms.png]
+    python tools/figures/draw_parallelisms.py [--out figures/parallelisms.png]
 
 Each panel shows the MLP's three linear layers as nn.Linear stores their weights, output x input
 (W x 784, W x W, 10 x W; dim 0 drawn as rows), on rank 0 and rank 1: the
@@ -13,7 +13,7 @@ sizes come from the strategies' definitions, as lessons 9 to 11 derive and measu
 import argparse
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYERS = [("W x 784", 0.9), ("W x W", 1.0), ("10 x W", 0.25)]  # nn.Linear's weight (out x in), height
 HELD = {  # per strategy, per rank: the fraction (start, end) of each layer's rows held, ("cols", start,
     # end) of its columns; None: nothing of it

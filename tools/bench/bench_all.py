@@ -2,24 +2,25 @@
 THIS machine. Each writes its numbers under build/bench/ and redraws its figure; copy what you keep
 into docs/MEASURED.md with the machine and the date.
 
-    python tools/bench_all.py [NAME ...]     # all, or only those named (e.g. startup gcn)
+    python tools/bench/bench_all.py [NAME ...]     # all, or only those named (e.g. startup gcn)
 """
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parents[1]
 BENCHMARKS = [  # (name, script, what it measures)
-    ("startup", "bench_startup.py", "what a short job pays before its first step"),
-    ("cpu", "bench.py", "lesson 6: 1 process against N on the CPU, threads"),
-    ("comm", "bench_comm.py", "lesson 6: communicating less"),
-    ("allreduce", "draw_allreduce_cost.py", "lesson 9: the ring all-reduce by hand against Gloo's"),
-    ("by-hand", "bench_by_hand.py", "lesson 9: each way of averaging the gradients against DDP"),
-    ("trace", "draw_overlap_trace.py", "lesson 9: one step of rank 0 in a profiler trace, by hand and DDP"),
-    ("gcn", "bench_gcn.py", "lesson 4: the GCN, 1 rank against 2"),
-    ("fsdp", "bench_fsdp.py", "sharding: memory per rank and time per step, ZeRO and FSDP against DDP"),
-    ("netlab", "bench_netlab.py",
+    ("startup", "bench/bench_startup.py", "what a short job pays before its first step"),
+    ("cpu", "bench/bench.py", "lesson 6: 1 process against N on the CPU, threads"),
+    ("comm", "bench/bench_comm.py", "lesson 6: communicating less"),
+    ("allreduce", "figures/draw_allreduce_cost.py", "lesson 9: the ring all-reduce by hand against Gloo's"),
+    ("by-hand", "bench/bench_by_hand.py", "lesson 9: each way of averaging the gradients against DDP"),
+    ("trace", "figures/draw_overlap_trace.py",
+     "lesson 9: one step of rank 0 in a profiler trace, by hand and DDP"),
+    ("gcn", "bench/bench_gcn.py", "lesson 4: the GCN, 1 rank against 2"),
+    ("fsdp", "bench/bench_fsdp.py", "sharding: memory per rank and time per step, ZeRO and FSDP against DDP"),
+    ("netlab", "bench/bench_netlab.py",
      "lessons 6, 9 and 10 across two lab hosts at several link speeds (root only)"),
 ]
 SKIPPED = 77  # a benchmark's exit code when this machine cannot run it (it says why)

@@ -3,7 +3,7 @@
 In the spirit of Figure 7.3 of Graph Neural Networks in Action: one lane per process, each step a
 box, and the collective operations as bands across all lanes (every rank must reach them).
 
-    python tools/draw_ddp_diagram.py [--out figures/ddp_process_diagram.png]
+    python tools/figures/draw_ddp_diagram.py [--out figures/ddp_process_diagram.png]
 """
 import argparse
 from pathlib import Path
@@ -92,7 +92,7 @@ def draw(out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = Path(__file__).resolve().parents[1] / "figures" / "ddp_process_diagram.png"
+    default = Path(__file__).resolve().parents[2] / "figures" / "ddp_process_diagram.png"
     parser.add_argument("--out", type=Path, default=default)
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)

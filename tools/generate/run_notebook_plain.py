@@ -3,7 +3,7 @@ GPU machine with only torch and the course's scripts: no papermill, no IPython).
 is replaced by a stand-in that prints; the working directory is the notebook's folder, as under
 `make notebooks`.
 
-    python tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb [--smoke]
+    python tools/generate/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb [--smoke]
 
 Exits non-zero at the first cell that raises, with its traceback. `make notebooks` (papermill,
 a real kernel) remains the check of a notebook as readers run it.

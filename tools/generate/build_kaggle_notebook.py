@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "kaggle" / "ddp_t4x2.ipynb"
 # Each file once: the modules the scripts import, then the scripts.
 SCRIPTS = ["ddp_hardening.py", "mnist_parts.py", "gcn_parts.py", "mnist_single.py", "mnist_ddp_cpu.py",
@@ -89,7 +89,7 @@ SCRIPTS_INTRO = """\
 ## The course's scripts
 
 The next cells write the course's files (`ddp_scripts/` in the repository, generated from them by
-`tools/build_kaggle_notebook.py`) to the working directory, each once: the modules the scripts
+`tools/generate/build_kaggle_notebook.py`) to the working directory, each once: the modules the scripts
 import (`ddp_hardening.py`, what keeps a job safe on a cluster; `mnist_parts.py` and
 `gcn_parts.py`, the data and models), then the lessons' scripts. Their code is collapsed: expand a
 cell to read a file."""

@@ -7,7 +7,7 @@ Rows, each the wall time of one whole command (median of --repeats interleaved r
 The 5 steps themselves take a fraction of a second; the rest is start-up, evaluation and exit.
 Writes build/bench/startup.json.
 
-    python tools/bench_startup.py [--repeats 5] [--steps 5]
+    python tools/bench/bench_startup.py [--repeats 5] [--steps 5]
 """
 import argparse
 import datetime
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench import cores, cpu_name
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
 
 

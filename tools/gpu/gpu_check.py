@@ -6,7 +6,7 @@ images/s. Then, when PyG and its sampler are installed, ddp_scripts/gcn_ddp.py t
 steps on a synthetic graph, sampled nodes/s); otherwise it says why lesson 4 was skipped.
 Exits non-zero when a run fails or learns too little, or when no GPU is visible.
 
-    python tools/gpu_check.py [--data-dir data] [--epochs 1]
+    python tools/gpu/gpu_check.py [--data-dir data] [--epochs 1]
 
 On a machine without internet, the data must already be in --data-dir (MNIST or Fashion-MNIST in
 torchvision's layout; `make setup` prepares Fashion-MNIST where Debian's package is available).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Test accuracy one epoch of the ConvNet must reach (it reaches about 0.98 and 0.85 on CPU).
 MIN_ACCURACY = {"mnist": 0.95, "fashion-mnist": 0.80}
 

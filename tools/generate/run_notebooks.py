@@ -1,8 +1,8 @@
 """Execute every course notebook with papermill, as a user's CI would, into build/notebooks/.
 
-    python tools/run_notebooks.py            # full runs
-    python tools/run_notebooks.py --smoke    # SMOKE=True: tiny runs, a minute or two in all
-    python tools/run_notebooks.py notebooks/02_ddp_cpu_gloo.ipynb
+    python tools/generate/run_notebooks.py            # full runs
+    python tools/generate/run_notebooks.py --smoke    # SMOKE=True: tiny runs, a minute or two in all
+    python tools/generate/run_notebooks.py notebooks/02_ddp_cpu_gloo.ipynb
 
 Each notebook runs with notebooks/ as its working directory (as Jupyter and nbmake do).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import papermill
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main():

@@ -10,7 +10,7 @@ allocated), the time per step (the training epoch's seconds / steps, the first s
 included), each as a ratio to DDP on as many ranks. Writes build/bench/fsdp.json and
 figures/fsdp_memory.png.
 
-    python tools/bench_fsdp.py [--steps 30] [--repeats 3] [--gpu]
+    python tools/bench/bench_fsdp.py [--steps 30] [--repeats 3] [--gpu]
 """
 import argparse
 import datetime
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from bench import cores, cpu_name, run_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "notebooks"))
 from course_helpers import small_copy  # noqa: E402
 

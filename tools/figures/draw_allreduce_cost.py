@@ -1,9 +1,9 @@
 """Figure for "DDP from the inside": the time of one all-reduce against its size, by hand and Gloo's.
 
     python ddp_scripts/allreduce_by_hand.py --mode measure --json build/allreduce.json
-    python tools/draw_allreduce_cost.py build/allreduce.json [--out figures/allreduce_cost.png]
-    python tools/draw_allreduce_cost.py        # measure first (make bench): build/bench/allreduce.json
-                                               # and latency_n2/3/4.json (tools/draw_inside_results.py)
+    python tools/figures/draw_allreduce_cost.py build/allreduce.json [--out figures/allreduce_cost.png]
+    python tools/figures/draw_allreduce_cost.py   # measure first (make bench): build/bench/allreduce.json
+                                 # and latency_n2/3/4.json (tools/figures/draw_inside_results.py)
 
 Reads the JSON that allreduce_by_hand.py writes: the measured medians of ring_all_reduce and
 dist.all_reduce on log-log axes, with lesson 6's model of a ring fitted to each as a line,
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COLOURS = {"ring": "#c0504d", "torch": "#4f81bd"}
 LABELS = {"ring": "ring_all_reduce (by hand)", "torch": "dist.all_reduce (Gloo)"}
 

@@ -6,8 +6,8 @@ where `words` counts the words (whitespace-separated) of every Markdown and code
 150 words a minute, and each exercise of the `## Exercises` section gets 5 minutes. The compute
 time (the `**Time:**` line) is measured instead, not estimated.
 
-    python tools/study_time.py            # print each lesson's estimate
-    python tools/study_time.py --write    # write it into each lesson's first cell and the README
+    python tools/generate/study_time.py            # print each lesson's estimate
+    python tools/generate/study_time.py --write    # write it into each lesson's first cell and the README
 
 tests/unit/test_notebooks.py fails when a lesson or the README states another number than the rule
 gives: after editing a lesson, run `make study-times`.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORDS_PER_MINUTE = 150
 MINUTES_PER_EXERCISE = 5
 LINE = re.compile(r"^\*\*Study time:\*\* .*$", re.M)

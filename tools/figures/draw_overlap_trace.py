@@ -15,7 +15,7 @@ the last operator that computes a gradient ends) overlaps with backward. Of the 
 records, the fastest is drawn (the least disturbed by whatever else the machine runs); the time
 axis is shared. Written for Gloo on CPU; NCCL's names are recognised but not tried on a GPU.
 
-    python tools/draw_overlap_trace.py [--out figures/ddp_overlap_trace.png] [--traces DIR]
+    python tools/figures/draw_overlap_trace.py [--out figures/ddp_overlap_trace.png] [--traces DIR]
 
 --traces DIR: read DIR/<panel>/rank0.json where present, run (and keep there) the missing ones;
 without it, every trace is made anew under build/traces/. read_steps() and overlapping() are the
@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
 COMMON = ["--nprocs", "2", "--model", "mlp", "--max-steps", "6", "--threads-per-proc", "1"]
 PANELS = {  # name: (script, flags, title)

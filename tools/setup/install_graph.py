@@ -8,7 +8,7 @@ The sampler (torch-scatter and torch-sparse; or pyg-lib) comes, in this order, f
 3. the sources on PyPI, compiled here against the installed torch: announced first, since it takes
    about 15 minutes on 2 cores and pip prints nothing meanwhile.
 
-    python tools/install_graph.py [--dry-run]
+    python tools/setup/install_graph.py [--dry-run]
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLER = ("torch_scatter", "torch_sparse")
 PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 

@@ -1,6 +1,6 @@
 """Benchmark for lessons 6, 9 and 10 across the network lab (root only): two hosts, each a network
 namespace with its own address and hostname, joined by one link capped at a set bandwidth
-(tools/netlab.py), so that communication costs what it costs between two machines, which loopback
+(tools/lab/netlab.py), so that communication costs what it costs between two machines, which loopback
 never shows.
 
 At each rate of the link (uncapped, then 10 Gbit/s, 1 Gbit/s, 100 Mbit/s by default):
@@ -23,8 +23,8 @@ images/s is the median of its runs, reported as a ratio to plain DDP at the same
 spread of its runs. Writes docs/measured/netlab.json and figures/netlab_allreduce.png,
 figures/netlab_training.png, figures/netlab_sharding.png.
 
-    sudo .venv/bin/python tools/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--runs 3]
-    python tools/bench_netlab.py --draw docs/measured/netlab.json    # the figures again, from a run
+    sudo .venv/bin/python tools/bench/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--runs 3]
+    python tools/bench/bench_netlab.py --draw docs/measured/netlab.json    # the figures again, from a run
 
 Needs root (network namespaces, tc); without it, one line saying so and exit code 77 (make bench
 counts it as skipped).
@@ -40,8 +40,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "lab"))
 import netlab  # noqa: E402
 
 PREFIX = "ddpbench"

@@ -11,7 +11,7 @@ and, when CUDA GPUs are visible, mnist_ddp_gpu.py (NCCL) on 1 GPU and on all of 
 Each configuration runs --repeats times, interleaved; the median images/s is reported.
 Writes build/bench/cpu.json and figures/ddp_cpu_speedup.png.
 
-    python tools/bench.py [--steps 200] [--repeats 5] [--nprocs <cores>] [--gpu-only]
+    python tools/bench/bench.py [--steps 200] [--repeats 5] [--nprocs <cores>] [--gpu-only]
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
 sys.path.insert(0, str(REPO / "notebooks"))
 from course_demos import input_pipeline_rates  # noqa: E402  (lesson 6 shows the same measurement)

@@ -1,7 +1,7 @@
 """Figure for lesson 10: what each rank holds under DDP, ZeRO (stage 1) and FSDP, for lesson 6's MLP
 with AdamW in float32, drawn from the model's own parameter count.
 
-    python tools/draw_sharding.py [--ranks 2] [--out figures/sharding_what_each_rank_holds.png]
+    python tools/figures/draw_sharding.py [--ranks 2] [--out figures/sharding_what_each_rank_holds.png]
 
 Per rank, three stacked parts: the parameters (P bytes), their gradients (P) and AdamW's two
 running averages (2P). DDP keeps all of it on every rank. ZeRO keeps AdamW's state of its share of
@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PARTS = [("parameters", "#4f81bd"), ("gradients", "#9bbb59"), ("AdamW state (2 averages)", "#c0504d")]
 
 

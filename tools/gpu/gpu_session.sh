@@ -2,19 +2,19 @@
 # The course's GPU checks on an offline GPU machine that starts bare (docs/MAINTAINERS.md, "GPU
 # checks"), in one run:
 #
-#   bash tools/gpu_session.sh prepare   # on a set-up machine: the data, PyG's sampler sources in .device/
-#   bash tools/gpu_session.sh run       # on the GPU machine, with data/ and .device/ copied beside it
+#   bash tools/gpu/gpu_session.sh prepare   # on a set-up machine: the data, PyG's sampler sources in .device/
+#   bash tools/gpu/gpu_session.sh run       # on the GPU machine, with data/ and .device/ copied beside it
 #
 # `run` takes the machine's Python as it is (PY=..., default python3): torch, PyG, pytest, psutil
 # and matplotlib are all it needs; nbmake, pytest-xdist, papermill, ogb, pyg-lib and torch-sparse
 # may be missing. Where neither pyg-lib nor torch-sparse can be imported, it first builds
 # torch-scatter and torch-sparse from .device/ (CPU-only: the sampler runs on the CPU), both at once
 # on every core, before anything else runs (built beside the tests, the build took minutes longer);
-# then lessons 5, 6, 9 and 10's GPU checks, lesson 4's GPU tests and tools/gpu_check.py --lesson 4,
+# then lessons 5, 6, 9 and 10's GPU checks, lesson 4's GPU tests and tools/gpu/gpu_check.py --lesson 4,
 # then notebook 03's code cells. About 8 minutes on a 16-core machine with one GPU. Logs go to $OUT
 # when it is set, else build/gpu-session. Exits non-zero if any step failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 
 case "${1:-}" in
@@ -28,7 +28,7 @@ prepare)
     .venv/bin/python -c "import sys; sys.path.insert(0, 'ddp_scripts'); import mnist_parts; \
 print('dataset in data/:', mnist_parts.prepare_data('auto', 'data', verbose=False))" || exit 1
     du -sh .device data
-    echo 'next: copy .device/ and data/ to the GPU machine and run "bash tools/gpu_session.sh run" there'
+    echo 'next: copy .device/ and data/ to the GPU machine and run "bash tools/gpu/gpu_session.sh run" there'
     ;;
 run)
     out=${OUT:-build/gpu-session}
@@ -93,8 +93,8 @@ sys.exit(not nccl)" "$out/trace-gpu/rank0.json" || failed+=(profile-gpu-trace)
         echo "== $(date +%T) GPU tests (lesson 4)"
         PYTHONUNBUFFERED=1 timeout 200 "${pytest[@]}" tests/e2e/test_gcn.py -k nccl_on_gpus \
             2>&1 | tee "$out/pytest-gcn.log" || failed+=(pytest-gcn)
-        echo "== $(date +%T) tools/gpu_check.py --lesson 4"
-        PYTHONUNBUFFERED=1 timeout 200 $PY tools/gpu_check.py --lesson 4 2>&1 | tee "$out/gpu_check.log" \
+        echo "== $(date +%T) tools/gpu/gpu_check.py --lesson 4"
+        PYTHONUNBUFFERED=1 timeout 200 $PY tools/gpu/gpu_check.py --lesson 4 2>&1 | tee "$out/gpu_check.log" \
             || failed+=(gpu_check)
     else
         failed+=(sampler-build)
@@ -102,7 +102,7 @@ sys.exit(not nccl)" "$out/trace-gpu/rank0.json" || failed+=(profile-gpu-trace)
     fi
     # Last: notebook 03's cells (they have passed on a GPU before), so that they cannot delay the rest.
     echo "== $(date +%T) notebook 03, code cells in plain Python"
-    PYTHONUNBUFFERED=1 timeout 200 $PY tools/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
+    PYTHONUNBUFFERED=1 timeout 200 $PY tools/generate/run_notebook_plain.py notebooks/03_ddp_gpu_nccl.ipynb \
         2>&1 | tee "$out/notebook03.log" || failed+=(notebook03)
     if ((${#failed[@]})); then
         echo "gpu-session: failed: ${failed[*]} (logs in $out)"
@@ -111,7 +111,7 @@ sys.exit(not nccl)" "$out/trace-gpu/rank0.json" || failed+=(profile-gpu-trace)
     echo "gpu-session: $(date +%T) all passed (logs in $out)"
     ;;
 *)
-    echo "usage: bash tools/gpu_session.sh prepare|run" >&2
+    echo "usage: bash tools/gpu/gpu_session.sh prepare|run" >&2
     exit 2
     ;;
 esac
