@@ -79,6 +79,10 @@ def run(request, stdio=()):
         os.close(target)
     os.environ.clear()
     os.environ.update(request["env"])
+    if "TORCH_LOGS" in os.environ:  # torch reads it when imported, which this Python did before
+        import torch._logging._internal
+
+        torch._logging._internal._init_logs()
     os.chdir(request["cwd"])
     import multiprocessing.process  # where a spawned child resolves a relative script path from
 

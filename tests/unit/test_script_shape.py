@@ -24,7 +24,8 @@ NEIGHBOUR_ADDS_AT_MOST = 180
 # Each lesson and the one a learner diffs it against (its docstring says which).
 NEIGHBOURS = [("mnist_ddp_cpu.py", "mnist_ddp_gpu.py"), ("gcn_single.py", "gcn_ddp.py"),
               ("mnist_ddp_gpu.py", "mnist_ddp_resume.py"), ("mnist_ddp_gpu.py", "mnist_ddp_comm.py"),
-              ("mnist_ddp_cpu.py", "mnist_ddp_debug.py"), ("mnist_ddp_gpu.py", "mnist_fsdp.py")]
+              ("mnist_ddp_cpu.py", "mnist_ddp_debug.py"), ("mnist_ddp_gpu.py", "mnist_fsdp.py"),
+              ("mnist_ddp_cpu.py", "mnist_ddp_practice.py")]
 # What a lesson teaches stays in its script, where the learner reads it.
 TAUGHT = {"mnist_ddp_gpu.py": {"check_device"},
           "mnist_ddp_resume.py": {"read_snapshot", "load_snapshot", "save_snapshot", "crash"},
@@ -32,7 +33,8 @@ TAUGHT = {"mnist_ddp_gpu.py": {"check_device"},
           "mnist_ddp_debug.py": {"Watchdog", "check_replicas", "inject_bug"},
           "mnist_fsdp.py": {"check_sharding", "state_bytes", "peak_mib", "save_checkpoint",
                             "load_checkpoint"},
-          "gcn_ddp.py": {"check_device", "rank_chunk", "mapped_copy", "prepare_graph"}}
+          "gcn_ddp.py": {"check_device", "rank_chunk", "mapped_copy", "prepare_graph"},
+          "mnist_ddp_practice.py": {"SyncBatchNormFunction", "SyncBatchNorm", "BNNet", "replica_spread"}}
 # What a copy may import: torch and its kin, the standard library, and the course's modules.
 ALLOWED = {"torch", "torchvision", "tqdm", "torch_geometric", "ogb"} | {m[:-3] for m in MODULES}
 
@@ -56,7 +58,7 @@ def top_level(path):
 def test_the_ddp_scripts_are_the_ones_expected():
     assert set(DDP_SCRIPTS) == {"mnist_ddp_cpu.py", "mnist_ddp_gpu.py", "mnist_ddp_resume.py",
                                 "mnist_ddp_comm.py", "mnist_ddp_debug.py", "mnist_fsdp.py", "gcn_ddp.py",
-                                "template_ddp.py"}
+                                "template_ddp.py", "mnist_ddp_practice.py"}
 
 
 @pytest.mark.parametrize("path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: p.name)

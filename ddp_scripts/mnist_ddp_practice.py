@@ -1,0 +1,335 @@
+"""Lesson 12: lesson 2's training where DDP meets the rest of PyTorch, each meeting a flag.
+
+    python mnist_ddp_practice.py --batchnorm sync            # BatchNorm over the global batch, by hand
+    python mnist_ddp_practice.py --uneven 3 --join on        # ranks with fewer batches join early
+    python mnist_ddp_practice.py --unused-head --find-unused # a parameter forward never uses
+    python mnist_ddp_practice.py --checkpoint non-reentrant  # activation checkpointing under DDP
+    python mnist_ddp_practice.py --compile aot_eager         # torch.compile of the DDP model
+    python mnist_ddp_practice.py --amp fp16 --clip 1.0       # a scaled loss, clipped after unscaling
+
+Lesson 1's data, models and evaluation come from mnist_parts.py; what keeps the job safe on a real
+cluster comes from ddp_hardening.py, in the few calls marked `hardening.`: copy both beside it.
+Compare it with mnist_ddp_cpu.py: the diff is what this lesson adds.
+"""
+import os
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+try:  # the course's modules, written once: copy them beside this file
+    import ddp_hardening as hardening  # each call into it says what plain code it stands for
+    from mnist_parts import build_model, evaluate, load_split, prepare_data
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
+from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
+
+
+# --------------------------------------------------------------------------- BatchNorm across ranks
+class SyncBatchNormFunction(torch.autograd.Function):
+    """BatchNorm's arithmetic over the global batch. Forward all-reduces each channel's sum, sum of
+    squares and count; backward all-reduces the two sums its gradient needs. (torch's SyncBatchNorm
+    does the same on GPUs.) The sums are taken in float64: E[x^2] - E[x]^2 cancels digits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        dims, shape = [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)  # all but the channels
+        c, x64 = x.shape[1], x.double()
+        sums = torch.cat([x64.sum(dims), (x64 * x64).sum(dims), x64.new_tensor([x.numel() / c])])
+        dist.all_reduce(sums)  # now the global batch's: the same on every rank
+        count = sums[-1]
+        mean = sums[:c] / count
+        var = sums[c:2 * c] / count - mean * mean  # biased: the one that normalises
+        invstd = torch.rsqrt(var + eps).to(x.dtype)
+        xhat = (x - mean.to(x.dtype).view(shape)) * invstd.view(shape)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.dims, ctx.shape, ctx.count = dims, shape, count
+        unbiased = (var * count / (count - 1)).to(x.dtype)  # the running variance's, as nn.BatchNorm
+        mean = mean.to(x.dtype)
+        ctx.mark_non_differentiable(mean, unbiased)
+        return xhat * weight.view(shape) + bias.view(shape), mean, unbiased
+
+    @staticmethod
+    def backward(ctx, dy, _mean, _var):
+        xhat, weight, invstd = ctx.saved_tensors
+        shape = ctx.shape
+        local = torch.cat([dy.sum(ctx.dims), (dy * xhat).sum(ctx.dims)])
+        grad_bias, grad_weight = local.chunk(2)  # this rank's: DDP averages them like any gradient
+        total = local.double()
+        dist.all_reduce(total)  # every x moved the global mean and variance: the sums of all ranks
+        mean_dy, mean_dy_xhat = (total / ctx.count).to(dy.dtype).chunk(2)
+        dx = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * (invstd * weight).view(shape)
+        return dx, grad_weight, grad_bias, None
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """nn.BatchNorm1d/2d normalising with the global batch's statistics while training."""
+
+    def _check_input_dim(self, x):
+        pass  # any of (N, C), (N, C, L), (N, C, H, W)
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)  # the running statistics: nothing to share
+        y, mean, var = SyncBatchNormFunction.apply(x, self.weight, self.bias, self.eps)
+        with torch.no_grad():  # nn.BatchNorm's update, with the global batch's statistics
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var, self.momentum)
+            self.num_batches_tracked += 1
+        return y
+
+
+class BNNet(nn.Module):
+    """Lesson 2's ConvNet with BatchNorm in place of dropout. `block` is what activation
+    checkpointing recomputes (no BatchNorm in it: recomputing one would update its running
+    statistics twice); `aux`, with --unused-head, is a head that forward never uses."""
+
+    def __init__(self, sync=False, unused_head=False, recompute="off"):
+        super().__init__()
+        bn2d, bn1d = (SyncBatchNorm, SyncBatchNorm) if sync else (nn.BatchNorm2d, nn.BatchNorm1d)
+        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3), bn2d(16), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                   nn.Linear(32 * 12 * 12, 64))
+        self.head = nn.Sequential(bn1d(64), nn.ReLU(), nn.Linear(64, 10))
+        self.aux = nn.Linear(64, 10) if unused_head else None
+        self.recompute = recompute
+
+    def forward(self, x):
+        x = self.stem(x)
+        if self.recompute == "off":
+            x = self.block(x)
+        else:  # keep only the block's input; run it again during backward
+            x = checkpoint(self.block, x, use_reentrant=self.recompute == "reentrant")
+        return self.head(x)
+
+
+def replica_spread(model):
+    """How far apart the ranks' copies are: the largest difference between two ranks' values of
+    any parameter, and of any buffer (BatchNorm's running statistics). 0.0: equal."""
+    spread = {}
+    for kind, tensors in (("parameters", model.parameters()), ("buffers", model.buffers())):
+        high = torch.cat([t.detach().double().flatten() for t in tensors] or [torch.zeros(1)])
+        low = -high
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX)  # minus the smallest
+        spread[kind] = (high + low).max().item()
+    return spread
+
+
+# --------------------------------------------------------------------------- training
+def train(rank, world_size, args):
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
+    train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
+    test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
+
+    # 2. Instantiate the model, then wrap it. The same seed gives every rank the same start
+    #    (DDP also broadcasts rank 0's weights); a per-rank seed afterwards decorrelates dropout.
+    torch.manual_seed(args.seed)
+    plain = (BNNet(args.batchnorm == "sync", args.unused_head, args.checkpoint) if args.model == "bnnet"
+             else build_model(args.model))
+    # forward_sync_buffers (default on; before torch 2.14, broadcast_buffers): before each training
+    # forward, rank 0's buffers (BatchNorm's running statistics) overwrite the others'.
+    # find_unused_parameters: after each forward, look in the autograd graph for the parameters
+    # backward will not reach. static_graph: learn once which those are.
+    model = DDP(plain, forward_sync_buffers=not args.no_buffer_sync, bucket_cap_mb=args.bucket_cap_mb,
+                find_unused_parameters=args.find_unused, static_graph=args.static_graph)
+    # torch.compile of the DDP model: dynamo splits the graph where DDP's buckets end (optimize_ddp)
+    compiled = torch.compile(model, backend=args.compile) if args.compile != "off" else model
+    torch.manual_seed(args.seed + rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # fp16 needs its loss scaled (its small gradients would flush to zero); bf16 has fp32's range
+    scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+
+    # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
+    #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
+    train_set = TensorDataset(train_images, train_labels)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=not args.no_shuffle, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
+    log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
+        f"torch thread(s) each, batch {args.batch_size} per process "
+        f"({args.batch_size * world_size} in all)", flush=True)
+    history, steps, norms, start = [], 0, [], time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        epoch_start = time.perf_counter()
+        loss_sum, seen = 0.0, 0
+        # plain: bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
+        bar = hardening.progress(loader, f"epoch {epoch}", rank == 0 and not args.quiet)
+        # Join: a rank out of batches answers the others' all-reduces (with zeros) until all are
+        # out; "throw" instead raises on every rank as soon as one is out
+        joined = (Join([model], throw_on_early_termination=args.join == "throw") if args.join != "off"
+                  else nullcontext())
+        try:
+            with joined:
+                for i, (x, y) in enumerate(bar):
+                    if i == len(loader) - args.uneven * rank:  # --uneven K: rank r has K * r batches fewer,
+                        break  # as when each rank reads its own files
+                    optimizer.zero_grad()
+                    with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+                        loss = F.cross_entropy(compiled(x), y)
+                    scaler.scale(loss).backward()  # 4. DDP all-reduces (averages) the gradients here
+                    if args.clip:  # on the averaged gradients: the same norm, the same clip, on every rank
+                        if not args.clip_before_unscale:
+                            scaler.unscale_(optimizer)  # the true gradients, not the scaled ones
+                        norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())
+                    scaler.step(optimizer)  # ... so every rank takes the same step
+                    scaler.update()
+                    loss_sum += loss.item() * len(y)
+                    seen += len(y)
+                    steps += 1
+                    if steps == args.max_steps:
+                        break
+        except RuntimeError as err:
+            if "exhausted" not in str(err):  # raised by Join on every rank: the epoch ends here
+                raise
+            log(f"epoch {epoch}: a rank ran out of batches after {steps} steps: {err}", flush=True)
+        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+
+        # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
+        #    model.module is used because evaluation needs no gradient synchronisation.
+        test_loss, test_accuracy = evaluate(plain, test_images, test_labels, rank, world_size)
+        spread = replica_spread(plain)  # were the ranks' copies equal when they were scored?
+        train_totals = torch.tensor([loss_sum, seen], dtype=torch.float64)
+        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
+        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
+        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
+                        "test_accuracy": test_accuracy, "seconds": seconds,
+                        "images_per_second": seen_all / seconds, "steps": steps, "spread": spread})
+        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s  "
+            f"ranks apart by {spread['parameters']:.2g} (parameters), {spread['buffers']:.2g} (buffers)",
+            flush=True)
+        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
+            write_metrics(args.metrics_json, {"world_size": world_size,
+                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
+                "threads_per_proc": args.threads_per_proc, "batchnorm": args.batchnorm,
+                "compile": args.compile, "amp": args.amp, "clip_norms": norms, "epochs": history})
+        # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
+        #    backward and the all_reduce above already wait for all ranks.
+        dist.barrier()
+        if steps == args.max_steps:
+            break
+
+    # 7. Print and save on rank 0 only; `plain` holds plain (non-DDP) parameter names.
+    if rank == 0:
+        last = history[-1]
+        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
+              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
+              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
+        if args.save:
+            torch.save(plain.state_dict(), args.save)
+
+
+def worker(rank, world_size, args):
+    """What each process runs, whether spawned by main() or started by torchrun."""
+    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
+    #    or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective, so a
+    #    rank that dies or stalls turns into an error instead of a hang.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            store=hardening.attempt_store(args.timeout),  # plain: nothing
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
+            # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
+            args.dataset = hardening.prepare_in_turns(
+                lambda d: prepare_data(d, args.data_dir, not args.quiet), args.dataset, rank,
+                args.prepare_timeout)
+        train(rank, world_size, args)
+    finally:
+        dist.destroy_process_group()  # 8. tear down, even after an error
+
+
+# --------------------------------------------------------------------------- launching
+def check_setup(args, rank):
+    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    if rank == 0:  # only rank 0 writes them (on its own machine)
+        check_writable(args.save, args.metrics_json)
+
+
+def main(args):
+    if "RANK" in os.environ:
+        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
+        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
+        worker(rank, world_size, args)
+        return
+    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
+    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
+    check_setup(args, rank=0)
+    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = hardening.master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
+    if args.nprocs > cpu_cores() and not args.quiet:
+        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
+              f"expect it slower than fewer processes", flush=True)
+    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+    hardening.spawn_workers(worker, args.nprocs, args)
+
+
+# --------------------------------------------------------------------------- command line
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--model", choices=["linear", "convnet", "bnnet"], default="bnnet")
+    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
+                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64)
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--nprocs", type=positive(int), default=2,
+                   help="processes to spawn (ignored under torchrun, which sets WORLD_SIZE)")
+    p.add_argument("--threads-per-proc", type=positive(int), default=None,
+                   help="torch threads per process (default: cores // processes, at least 1)")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--timeout", type=positive(int), default=300,
+                   help="seconds any collective may wait for the other ranks before failing")
+    p.add_argument("--batchnorm", choices=["local", "sync"], default="local",
+                   help="bnnet's statistics: each rank's own batch, or the global batch (by hand)")
+    p.add_argument("--no-buffer-sync", action="store_true",
+                   help="forward_sync_buffers=False: each rank keeps its own buffers (running statistics)")
+    p.add_argument("--uneven", type=int, default=0, metavar="K", help="rank r has K * r batches fewer")
+    p.add_argument("--join", choices=["off", "on", "throw"], default="off")
+    p.add_argument("--unused-head", action="store_true", help="bnnet gets a head forward never uses")
+    p.add_argument("--find-unused", action="store_true", help="DDP's find_unused_parameters")
+    p.add_argument("--static-graph", action="store_true", help="DDP's static_graph")
+    p.add_argument("--checkpoint", choices=["off", "reentrant", "non-reentrant"], default="off",
+                   help="recompute bnnet's middle block in backward (activation checkpointing)")
+    p.add_argument("--bucket-cap-mb", type=positive(float), default=None, help="DDP's bucket size (lesson 6)")
+    p.add_argument("--compile", choices=["off", "inductor", "aot_eager", "eager"], default="off",
+                   help="torch.compile the DDP model with this backend")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")
+    p.add_argument("--clip", type=positive(float), default=None, help="clip the gradients' norm to this")
+    p.add_argument("--clip-before-unscale", action="store_true", help="the mistake: clip scaled gradients")
+    hardening.add_hardening_flags(p)  # plain: nothing
+    args = p.parse_args(argv)
+    if args.model != "bnnet" and (args.batchnorm != "local" or args.unused_head or args.checkpoint != "off"):
+        raise UsageError("--batchnorm, --unused-head and --checkpoint change bnnet: use --model bnnet")
+    if args.threads_per_proc is None:
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
+        args.threads_per_proc = max(1, cpu_cores() // procs)
+    return args
+
+
+if __name__ == "__main__":
+    hardening.run_main(main, parse_args)  # plain: main(parse_args())
