@@ -325,6 +325,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.model != "bnnet" and (args.batchnorm != "local" or args.unused_head or args.checkpoint != "off"):
         raise UsageError("--batchnorm, --unused-head and --checkpoint change bnnet: use --model bnnet")
+    if args.uneven < 0:
+        raise UsageError(f"--uneven must be 0 or more, got {args.uneven}")
     if args.threads_per_proc is None:
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
         args.threads_per_proc = max(1, cpu_cores() // procs)

@@ -13,6 +13,7 @@ MISTAKES = {
     "mnist_ddp_resume.py": ["--crash-in-epoch", "1", "--epochs", "3"],
     "mnist_ddp_comm.py": ["--accum-steps", "0"],
     "mnist_ddp_debug.py": ["--bug", "segfault"],
+    "mnist_ddp_practice.py": ["--model", "linear", "--batchnorm", "sync"],  # bnnet's flag
     "mnist_fsdp.py": ["--backend", "gloo", "--device", "cpu", "--amp", "fp16"],
     "gcn_single.py": ["--dropout", "1"],
     "gcn_ddp.py": ["--num-neighbors", "ten"],

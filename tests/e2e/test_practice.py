@@ -139,16 +139,24 @@ def failed_with(r, message):
         f"{SCRIPT}: error: a worker raised the exception above; the other workers were stopped")
 
 
+def ended(r):
+    """The job ended with exit code 1 and the launcher's last line, whatever a rank met first."""
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{SCRIPT}: error: ") and "the other workers were stopped" in last, r.stderr
+
+
 def test_uneven_batches_end_in_one_line_without_join_and_train_with_it(tmp_path, data_args):
     """Rank 1 has 3 batches fewer: rank 0's next forward broadcasts its buffers to a rank that has
-    gone on to evaluate. Nothing matches that broadcast, and the group's timeout ends the job: the
-    launcher reports the rank whose wait ended first, or the other, which then found its connection
-    closed (whichever it hears first)."""
+    gone on to evaluate. The two collectives do not match, and the job ends, by the group's timeout
+    at the latest. What the launcher reports depends on which rank it hears from first: seen in a
+    loop of 8 runs, "Timed out waiting 5000ms", "Connection closed by peer" and "Application timeout
+    caused pair closure" (Gloo's words for one ending): not checked here."""
     start = time.monotonic()
     _, _, r = train_ddp(tmp_path, data_args, "--uneven", 3, "--max-steps", 10_000, "--timeout", 5,
                         "--batch-size", 256, check=False)
     assert time.monotonic() - start < 40
-    failed_with(r, "Timed out waiting 5000ms" if "Timed out" in r.stderr else "Connection closed by peer")
+    ended(r)
     # Join: rank 1 answers rank 0's last 3 steps' collectives; the model is the same on both after
     _, joined, _ = train_ddp(tmp_path, data_args, "--uneven", 3, "--join", "on", "--max-steps", 10_000,
                              "--batch-size", 256)
