@@ -82,6 +82,9 @@ run)
     echo "== $(date +%T) lesson 9's by-hand classes on CUDA tensors with NCCL, against DDP"
     PYTHONUNBUFFERED=1 timeout 150 "${pytest[@]}" tests/e2e/test_by_hand.py -k gpus \
         2>&1 | tee "$out/pytest-by-hand.log" || failed+=(pytest-by-hand)
+    echo "== $(date +%T) lesson 12's BatchNorm by hand against torch's SyncBatchNorm (two Gloo ranks, one GPU)"
+    PYTHONUNBUFFERED=1 timeout 90 "${pytest[@]}" tests/e2e/test_practice.py -k syncbatchnorm_on_a_gpu \
+        2>&1 | tee "$out/pytest-syncbn.log" || failed+=(pytest-syncbn)
     echo "== $(date +%T) --profile on the GPU: a trace with NCCL's all-reduces (lessons 6 and 9)"
     PYTHONUNBUFFERED=1 timeout 90 $PY ddp_scripts/mnist_ddp_comm.py --model mlp --max-steps 6 --quiet \
         --profile "$out/trace-gpu" 2>&1 | tee "$out/profile-gpu.log" || failed+=(profile-gpu)
