@@ -1,8 +1,11 @@
-"""Lesson 8: lesson 2's training with two debugging aids: a watchdog that prints where each rank is
-when it stops making progress, and a check that the replicas are still equal.
+"""Lesson 8: lesson 2's training with debugging aids: a watchdog that prints where each rank is
+when it stops making progress (and can write its flight recorder), and a check that the replicas
+are still equal.
 
     python mnist_ddp_debug.py --nprocs 2 --watchdog 60 --check-sync-every 100
     python mnist_ddp_debug.py --bug stall --watchdog 5 --timeout 20  # see a stuck rank found
+    python mnist_ddp_debug.py --bug skip --watchdog 5 --timeout 20 --flight-recorder fr
+    torchfrtrace fr                                                   # see which collective differs
     python mnist_ddp_debug.py --bug diverge --check-sync-every 10    # see silent divergence caught
 
 It needs mnist_parts.py (the data, models and evaluation) and ddp_hardening.py beside it.
@@ -10,6 +13,7 @@ Compare it with mnist_ddp_cpu.py: the diff is the lesson.
 """
 import argparse
 import os
+import pickle
 import sys
 import threading
 import time
@@ -36,10 +40,11 @@ class Watchdog:
     """A thread that prints where this rank is when it has made no progress for `seconds`: the
     stack of the main thread, tagged with the rank. In a hang, every rank reports, so one sees at
     once which rank is stuck outside the collectives and where the others wait for it (DDP's
-    all-reduce inside backward, a barrier). It only reports: the group's timeout ends the job."""
+    all-reduce inside backward, a barrier). With `flight_recorder` (a folder) each rank also writes
+    its flight recorder there. It only reports: the group's timeout ends the job."""
 
-    def __init__(self, rank, seconds):
-        self.rank, self.seconds = rank, seconds
+    def __init__(self, rank, seconds, flight_recorder=None):
+        self.rank, self.seconds, self.flight_recorder = rank, seconds, flight_recorder
         self.last, self.reported = time.monotonic(), False
         self.main = threading.main_thread().ident
         self.stopped = threading.Event()
@@ -61,9 +66,33 @@ class Watchdog:
                 sys.stderr.write(f"watchdog: rank {self.rank} has made no progress for {idle:.0f} s; "
                                  f"it is at:\n{report}\n")
                 sys.stderr.flush()
+                if self.flight_recorder:
+                    path = dump_flight_recorder(self.flight_recorder, self.rank)
+                    print(f"watchdog: rank {self.rank} wrote its flight recorder to {path}", flush=True)
 
     def stop(self):
         self.stopped.set()
+
+
+def dump_flight_recorder(folder, rank):
+    """Write this rank's flight recorder to folder/rank_<rank>: the group's last collectives (up to
+    TORCH_FR_BUFFER_SIZE of them, 2,000 by default), each with its sequence number, kind, sizes and
+    the Python stack that called it. `torchfrtrace folder` then lines the ranks' records up and
+    names the collectives where they differ. NCCL writes these files itself when a collective
+    times out; Gloo records as well but writes only when asked, and torch 2.14.1 asks through a
+    private function (it may change in any release)."""
+    records = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    # torch 2.14.1's Gloo dump lists the default group as '' in its table of groups, while its
+    # records name it by its real name ('0'); torchfrtrace looks the name up and fails. Write the
+    # group's entry under its real name.
+    world = dist.group.WORLD
+    records["pg_config"].pop("", None)
+    records["pg_config"][world.group_name] = {"name": world.group_name, "desc": world.group_desc,
+                                              "ranks": str(dist.get_process_group_ranks(world))}
+    path = os.path.join(folder, f"rank_{rank}")
+    with open(path, "wb") as f:
+        pickle.dump(records, f)
+    return path
 
 
 def check_replicas(model, steps):
@@ -89,7 +118,7 @@ def check_replicas(model, steps):
 
 
 def inject_bug(bug, rank, model, args):
-    """For the lesson: the two mistakes this script's aids find, on the last rank or the first."""
+    """For the lesson: the mistakes this script's aids find, on the last rank or the first."""
     if bug == "stall" and rank == dist.get_world_size() - 1:
         # A rank stuck outside the collectives: a slow disk, an input() prompt, a hung loader.
         time.sleep(10 * args.timeout)
@@ -97,6 +126,10 @@ def inject_bug(bug, rank, model, args):
         # Rank 0 alone loads weights after DDP was built (DDP broadcasts them only when it starts):
         # from now on the replicas differ, and nothing fails.
         model.module.load_state_dict(build_model(args.model).state_dict())
+    if bug == "skip" and rank == 0:
+        # A collective under `if rank == 0:` (here a barrier, as before saving): the other ranks
+        # skip it and go on to the next step's gradient all-reduce, which meets this barrier.
+        dist.barrier()
 
 
 # --------------------------------------------------------------------------- training
@@ -123,7 +156,8 @@ def train(rank, world_size, args):
     log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
         f"torch thread(s) each, batch {args.batch_size} per process "
         f"({args.batch_size * world_size} in all)", flush=True)
-    watchdog = Watchdog(rank, args.watchdog)  # from here on, a rank that stalls says where it is
+    # From here on, a rank that stalls says where it is (and writes its flight recorder).
+    watchdog = Watchdog(rank, args.watchdog, args.flight_recorder)
     history, steps, checks, start = [], 0, 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
@@ -208,6 +242,14 @@ def worker(rank, world_size, args):
 # --------------------------------------------------------------------------- launching
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    if args.flight_recorder:  # every rank writes its own file, on its own machine
+        if not args.watchdog:
+            raise UsageError("--flight-recorder is written when the watchdog fires: give --watchdog "
+                             "a number of seconds (not 0)")
+        if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+            raise UsageError(f"--flight-recorder: this torch ({torch.__version__}) has no way to write "
+                             f"Gloo's flight recorder; leave the flag out")
+        check_writable(os.path.join(args.flight_recorder, f"rank_{rank}"))
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 
@@ -265,11 +307,14 @@ def parse_args(argv=None):
                    help="seconds any collective may wait for the other ranks before failing")
     p.add_argument("--watchdog", type=non_negative, default=60,
                    help="seconds without progress after which each rank prints where it is (0: off)")
+    p.add_argument("--flight-recorder", type=str, default=None, metavar="FOLDER",
+                   help="when the watchdog fires, each rank writes its flight recorder to "
+                        "FOLDER/rank_<rank>, for torchfrtrace FOLDER")
     p.add_argument("--check-sync-every", type=non_negative, default=100,
                    help="compare the replicas every this many steps (0: never)")
-    p.add_argument("--bug", choices=["none", "stall", "diverge"], default="none",
-                   help="for the lesson: stall (the last rank stops responding) or diverge "
-                        "(rank 0 alone reloads its weights)")
+    p.add_argument("--bug", choices=["none", "stall", "diverge", "skip"], default="none",
+                   help="for the lesson: stall (the last rank stops responding), diverge (rank 0 "
+                        "alone reloads its weights) or skip (rank 0 alone runs a barrier)")
     p.add_argument("--bug-step", type=positive(int), default=10, help="the step after which --bug strikes")
     hardening.add_hardening_flags(p)  # plain: nothing
     args = p.parse_args(argv)

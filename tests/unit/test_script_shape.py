@@ -30,7 +30,7 @@ NEIGHBOURS = [("mnist_ddp_cpu.py", "mnist_ddp_gpu.py"), ("gcn_single.py", "gcn_d
 TAUGHT = {"mnist_ddp_gpu.py": {"check_device"},
           "mnist_ddp_resume.py": {"read_snapshot", "load_snapshot", "save_snapshot", "crash"},
           "mnist_ddp_comm.py": {"time_allreduce"},
-          "mnist_ddp_debug.py": {"Watchdog", "check_replicas", "inject_bug"},
+          "mnist_ddp_debug.py": {"Watchdog", "dump_flight_recorder", "check_replicas", "inject_bug"},
           "mnist_fsdp.py": {"check_sharding", "state_bytes", "peak_mib", "save_checkpoint",
                             "load_checkpoint"},
           "gcn_ddp.py": {"check_device", "rank_chunk", "mapped_copy", "prepare_graph"},
