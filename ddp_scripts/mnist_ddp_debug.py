@@ -75,12 +75,12 @@ class Watchdog:
 
 
 def dump_flight_recorder(folder, rank):
-    """Write this rank's flight recorder to folder/rank_<rank>: the group's last collectives (up to
-    TORCH_FR_BUFFER_SIZE of them, 2,000 by default), each with its sequence number, kind, sizes and
-    the Python stack that called it. `torchfrtrace folder` then lines the ranks' records up and
-    names the collectives where they differ. NCCL writes these files itself when a collective
-    times out; Gloo records as well but writes only when asked, and torch 2.14.1 asks through a
-    private function (it may change in any release)."""
+    """Write this rank's flight recorder to folder/rank_<rank>: the process's last collectives (up to
+    TORCH_FR_BUFFER_SIZE of them, 2,000 by default), each with its group, sequence number, kind,
+    sizes and the Python stack that called it. `torchfrtrace folder` then lines the ranks' records
+    up and names the collectives where they differ. NCCL can write these files itself when a
+    collective times out; Gloo records as well but writes only when asked, and torch 2.14.1 asks
+    through a private function (it may change in any release)."""
     records = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     # torch 2.14.1's Gloo dump lists the default group as '' in its table of groups, while its
     # records name it by its real name ('0'); torchfrtrace looks the name up and fails. Write the
@@ -243,9 +243,10 @@ def worker(rank, world_size, args):
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
     if args.flight_recorder:  # every rank writes its own file, on its own machine
-        if not args.watchdog:
-            raise UsageError("--flight-recorder is written when the watchdog fires: give --watchdog "
-                             "a number of seconds (not 0)")
+        if not args.watchdog or args.watchdog >= args.timeout:
+            raise UsageError(f"--flight-recorder is written when the watchdog fires, before --timeout "
+                             f"ends the job: give --watchdog fewer seconds than --timeout "
+                             f"({args.timeout}), and not 0")
         if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
             raise UsageError(f"--flight-recorder: this torch ({torch.__version__}) has no way to write "
                              f"Gloo's flight recorder; leave the flag out")
@@ -309,7 +310,7 @@ def parse_args(argv=None):
                    help="seconds without progress after which each rank prints where it is (0: off)")
     p.add_argument("--flight-recorder", type=str, default=None, metavar="FOLDER",
                    help="when the watchdog fires, each rank writes its flight recorder to "
-                        "FOLDER/rank_<rank>, for torchfrtrace FOLDER")
+                        "FOLDER/rank_<rank>, for torchfrtrace FOLDER (a new folder for each run)")
     p.add_argument("--check-sync-every", type=non_negative, default=100,
                    help="compare the replicas every this many steps (0: never)")
     p.add_argument("--bug", choices=["none", "stall", "diverge", "skip"], default="none",

@@ -403,3 +403,31 @@ def run_captured(*args, **kwargs):
     with captured() as out:
         result = run(*args, **kwargs)
     return result, out.text
+
+
+# torch's flight-recorder analyser (the `torchfrtrace` command) compares every rank with the first
+# file it reads, and reads a folder in the order the file system lists it: here in rank order.
+_FR_TRACE = """import os, re, sys
+walk = os.walk
+def number_order(name):  # rank_2 before rank_10
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\\d+)", name)]
+def in_rank_order(top, *args, **kwargs):
+    for root, dirs, files in walk(top, *args, **kwargs):
+        yield root, dirs, sorted(files, key=number_order)
+os.walk = in_rank_order
+from torch.distributed.flight_recorder.fr_trace import main
+main(sys.argv[1:])
+"""
+
+
+def torchfrtrace(folder, show=True):
+    """`torchfrtrace FOLDER` (torch's analyser of flight-recorder files) with rank 0 as its reference.
+    Prints the report without torch's own stack frames (show=True); returns it whole."""
+    out = subprocess.run([sys.executable, "-c", _FR_TRACE, str(folder)], capture_output=True, text=True,
+                         timeout=120)
+    report = out.stdout + out.stderr
+    if show:
+        print("\n".join(line for line in report.splitlines()
+                        if (" at /" not in line or str(SCRIPTS) in line or str(OUTPUT) in line)
+                        and "tabulate" not in line))  # an optional package's note
+    return report
