@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
-    from mnist_parts import build_model, have_files, load_split, raw_dir
+    from mnist_parts import build_model, load_split, prepared
     from ddp_hardening import Parser, UsageError, free_port, positive
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
@@ -288,11 +288,7 @@ def parse_args(argv=None):
     if args.threads_per_proc is None:
         args.threads_per_proc = max(1, (os.cpu_count() or 1) // args.nprocs)
 
-    if args.dataset is None:
-        args.dataset = "mnist" if have_files("mnist", args.data_dir) else "fashion-mnist"
-    if not have_files(args.dataset, args.data_dir):
-        raise UsageError(f"no {args.dataset} files in {raw_dir(args.dataset, args.data_dir)}: run "
-                         f"mnist_single.py once with the same --data-dir to prepare them")
+    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     return args
 
 

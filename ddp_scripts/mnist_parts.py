@@ -39,6 +39,18 @@ def have_files(name, data_dir):
     return all(os.path.exists(os.path.join(raw_dir(name, data_dir), f)) for f in RAW_FILES)
 
 
+def prepared(name, data_dir):
+    """The data set of the teaching scripts, which read what a lesson script has prepared: `name`, or
+    when it is None MNIST if all its files are in data_dir, else Fashion-MNIST; refused in one line
+    if its files are not there."""
+    if name is None:
+        name = "mnist" if have_files("mnist", data_dir) else "fashion-mnist"
+    if not have_files(name, data_dir):
+        raise UsageError(f"no {name} files in {raw_dir(name, data_dir)}: run mnist_single.py once "
+                         f"with the same --data-dir to prepare them")
+    return name
+
+
 def try_download(name, data_dir):
     """torchvision's own download; False (within seconds, not minutes) when offline."""
     previous = socket.getdefaulttimeout()

@@ -53,7 +53,8 @@ def test_explicit_fashion_mnist_prepares_an_empty_data_dir_from_the_package(tmp_
     assert abs(images.mean().item()) < 0.05 and abs(images.std().item() - 1) < 0.05
 
 
-@pytest.mark.parametrize("name, argv", [("mnist_by_hand", []), ("mnist_model_parallel", ["--mode", "tp"])])
+@pytest.mark.parametrize("name, argv", [("mnist_by_hand", []), ("sharding_by_hand", []),
+                                        ("mnist_model_parallel", ["--mode", "tp"])])
 def test_a_failed_download_is_not_taken_for_mnist(tmp_path, name, argv):
     """torchvision's failed download leaves data/MNIST/raw behind, empty or partly filled: the
     scripts that choose by what is on disk look for every file, never the folder."""
