@@ -89,11 +89,6 @@ class ShardedOptimizer:
         for p in self.params:  # BY HAND: every parameter sent by its owner; the others receive it
             dist.broadcast(p, src=self.owner[p])
 
-    def state_bytes(self):
-        """The bytes of the optimizer state this rank holds."""
-        return sum(t.nbytes for state in self.optimizer.state.values() for t in state.values()
-                   if torch.is_tensor(t))
-
 
 def parameter_groups(model, weight_decay):
     """Two groups, as most training scripts have them: weight matrices decay, biases do not."""
@@ -116,9 +111,10 @@ def make_optimizer(model, args):
 def optimizer_state_bytes(optimizer):
     """What this rank's optimizer holds in state, whichever --shard made it."""
     if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.state_bytes()
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    return sum(t.nbytes for state in local.state.values() for t in state.values() if torch.is_tensor(t))
+        optimizer = optimizer.optimizer  # the optimizer of this rank's share
+    elif isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim  # likewise, in torch's
+    return sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
 
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
