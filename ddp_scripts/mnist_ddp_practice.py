@@ -1,6 +1,7 @@
 """Lesson 12: lesson 2's training where DDP meets the rest of PyTorch, each meeting a flag.
 
     python mnist_ddp_practice.py --batchnorm sync            # BatchNorm over the global batch, by hand
+    python mnist_ddp_practice.py --batchnorm sync --float64  # ... compared with one process, exactly
     python mnist_ddp_practice.py --uneven 3 --join on        # ranks with fewer batches join early
     python mnist_ddp_practice.py --unused-head --find-unused # a parameter forward never uses
     python mnist_ddp_practice.py --checkpoint non-reentrant  # activation checkpointing under DDP
@@ -65,7 +66,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         shape = ctx.shape
         local = torch.cat([dy.sum(ctx.dims), (dy * xhat).sum(ctx.dims)])
         grad_bias, grad_weight = local.chunk(2)  # this rank's: DDP averages them like any gradient
-        total = local.double()
+        total = local.to(torch.float64, copy=True)  # a copy in float64 too: all_reduce writes into it
         dist.all_reduce(total)  # every x moved the global mean and variance: the sums of all ranks
         mean_dy, mean_dy_xhat = (total / ctx.count).to(dy.dtype).chunk(2)
         dx = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * (invstd * weight).view(shape)
@@ -106,7 +107,7 @@ class BNNet(nn.Module):
 
     def forward(self, x):
         x = self.stem(x)
-        if self.recompute == "off":
+        if self.recompute == "off" or not torch.is_grad_enabled():  # evaluating: no backward to save for
             x = self.block(x)
         else:  # keep only the block's input; run it again during backward
             x = checkpoint(self.block, x, use_reentrant=self.recompute == "reentrant")
@@ -131,12 +132,14 @@ def train(rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
     test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
+    if args.float64:  # for comparisons with one process that show the arithmetic, not float32's rounding
+        train_images, test_images = train_images.double(), test_images.double()
 
     # 2. Instantiate the model, then wrap it. The same seed gives every rank the same start
     #    (DDP also broadcasts rank 0's weights); a per-rank seed afterwards decorrelates dropout.
     torch.manual_seed(args.seed)
     plain = (BNNet(args.batchnorm == "sync", args.unused_head, args.checkpoint) if args.model == "bnnet"
-             else build_model(args.model))
+             else build_model(args.model)).to(torch.float64 if args.float64 else torch.float32)
     # forward_sync_buffers (default on; before torch 2.14, broadcast_buffers): before each training
     # forward, rank 0's buffers (BatchNorm's running statistics) overwrite the others'.
     # find_unused_parameters: after each forward, look in the autograd graph for the parameters
@@ -217,7 +220,8 @@ def train(rank, world_size, args):
             write_metrics(args.metrics_json, {"world_size": world_size,
                 "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
                 "threads_per_proc": args.threads_per_proc, "batchnorm": args.batchnorm,
-                "compile": args.compile, "amp": args.amp, "clip_norms": norms, "epochs": history})
+                "compile": args.compile, "amp": args.amp, "float64": args.float64, "clip_norms": norms,
+                "epochs": history})
         # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
         #    backward and the all_reduce above already wait for all ranks.
         dist.barrier()
@@ -319,12 +323,17 @@ def parse_args(argv=None):
     p.add_argument("--compile", choices=["off", "inductor", "aot_eager", "eager"], default="off",
                    help="torch.compile the DDP model with this backend")
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")
+    p.add_argument("--float64", action="store_true",
+                   help="compute in float64 (slower): comparisons with one process then show the "
+                        "arithmetic, not float32's rounding (lesson 12, section 2)")
     p.add_argument("--clip", type=positive(float), default=None, help="clip the gradients' norm to this")
     p.add_argument("--clip-before-unscale", action="store_true", help="the mistake: clip scaled gradients")
     hardening.add_hardening_flags(p)  # plain: nothing
     args = p.parse_args(argv)
     if args.model != "bnnet" and (args.batchnorm != "local" or args.unused_head or args.checkpoint != "off"):
         raise UsageError("--batchnorm, --unused-head and --checkpoint change bnnet: use --model bnnet")
+    if args.float64 and args.amp != "off":
+        raise UsageError("--amp computes in 16 bits, --float64 in 64: use one of them")
     if args.uneven < 0:
         raise UsageError(f"--uneven must be 0 or more, got {args.uneven}")
     if args.threads_per_proc is None:

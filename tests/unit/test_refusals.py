@@ -161,3 +161,12 @@ def test_a_network_interface_this_machine_lacks_is_refused(monkeypatch, data_arg
     line = refused("mnist_ddp_cpu", monkeypatch, "--max-steps", "1", *data_args)
     assert "GLOO_SOCKET_IFNAME=lo,nosuch0: this machine has no network interface nosuch0 (it has " in line
     assert "lo" in line.split("(it has ")[1]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "linear", "--batchnorm", "sync"], "use --model bnnet"),
+    (["--uneven", "-1"], "--uneven must be 0 or more"),
+    (["--float64", "--amp", "bf16"], "use one of them"),
+])
+def test_lesson_12s_flags_that_do_not_go_together(monkeypatch, args, expected):
+    assert expected in refused("mnist_ddp_practice", monkeypatch, *args)
