@@ -1,8 +1,10 @@
-"""Lesson 10, by hand: ZeRO stage 1, the optimizer's state sharded across the ranks.
+"""Lesson 10, by hand: ZeRO stage 1 (the optimizer's state sharded) and stage 3 (everything sharded).
 
     python sharding_by_hand.py --nprocs 2 --shard zero1 --max-steps 20 --save zero1.pt
     python sharding_by_hand.py --nprocs 2 --shard torch --max-steps 20 --save torch.pt   # torch's ZeRO
     python sharding_by_hand.py --nprocs 2 --shard none --max-steps 20 --save ddp.pt      # DDP, unsharded
+    python sharding_by_hand.py --nprocs 2 --shard zero3 --max-steps 20 --save zero3.pt   # FSDP by hand
+    python sharding_by_hand.py --nprocs 2 --shard zero3 --compute-dtype bfloat16 --max-steps 20
 
 Under DDP every rank keeps the optimizer's state for every parameter: AdamW's two running averages
 are twice the model, on every rank. ShardedOptimizer (below) deals the parameters out to the ranks,
@@ -13,6 +15,11 @@ ends the step with the same parameters as under DDP, and 1/N of the optimizer st
 tensors divide). --shard torch runs torch's ZeroRedundancyOptimizer instead, which deals the
 parameters out the same way. The optimizer (--optimizer adamw, or sgd with momentum) gets two
 parameter groups: the weight matrices with weight decay, the biases without.
+
+--shard zero3 keeps no whole parameter anywhere: ShardedLayer keeps 1/N of each parameter's rows
+per rank, gathers a layer whole just before its forward, frees it after, gathers it again when
+backward needs it, and reduce-scatters the gradients: each rank steps its own rows. It counts the
+bytes of its collectives (comm_bytes.py) and of the whole tensors alive at once.
 A teaching script: it reads the data that mnist_single.py (or any lesson script) has prepared, and
 it has none of the hardening of mnist_fsdp.py, which is the one to copy.
 """
@@ -21,17 +28,20 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
+    from comm_bytes import BACKENDS, bytes_sent
     from mnist_parts import build_model, load_split, prepared
     from ddp_hardening import Parser, UsageError, free_port, positive
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
@@ -90,6 +100,151 @@ class ShardedOptimizer:
             dist.broadcast(p, src=self.owner[p])
 
 
+# --------------------------------------------------------------------------- ZeRO-3 (FSDP) by hand
+class GatherShards(torch.autograd.Function):
+    """Forward: all-gather each of a layer's parameters whole from the ranks' shards. Backward:
+    reduce-scatter each whole gradient, so that every rank keeps the average of its own shard's."""
+
+    @staticmethod
+    def forward(ctx, layer, *shards):
+        ctx.layer = layer
+        return tuple(layer.gather(i) for i in range(len(shards)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *(ctx.layer.reduce_scatter(i, grad) for i, grad in enumerate(grads))
+
+
+class ShardedLayer(nn.Module):
+    """ZeRO stage 3 for one layer, as FSDP2's fully_shard does it: each parameter is kept as rows
+    [r * R, (r + 1) * R) on rank r (R = its rows / N rounded up; zeros pad the last rank's), whole
+    only while the layer computes: gathered just before forward, freed after it, gathered again
+    when backward needs it. compute_dtype: gather and compute in it (bfloat16 on a CPU, float16 on a
+    GPU) while the shards, the optimizer's master copy, stay float32."""
+
+    def __init__(self, layer, compute_dtype=None):
+        super().__init__()
+        self.world_size, rank = dist.get_world_size(), dist.get_rank()
+        self.layer, self.names = layer, [name for name, _ in layer.named_parameters(recurse=False)]
+        self.shapes = [getattr(layer, name).shape for name in self.names]
+        for name in self.names:
+            whole = getattr(layer, name).detach()
+            rows = -(-len(whole) // self.world_size)  # rounded up
+            padded = F.pad(whole, [0, 0] * (whole.dim() - 1) + [0, rows * self.world_size - len(whole)])
+            # this rank's rows, under the parameter's own name: an optimizer sees shards like parameters
+            self.register_parameter(name, nn.Parameter(padded[rank * rows:(rank + 1) * rows].clone()))
+            delattr(layer, name)  # the layer keeps no whole copy
+        self.dtype = compute_dtype or torch.float32
+        self.whole = None  # the gathered parameters, while forward runs
+        self.sent = []  # (collective, bytes of the whole), each call: what the ranks exchanged
+
+    def shard(self, i):
+        return getattr(self, self.names[i])
+
+    def gather(self, i):
+        """Parameter i whole, in the compute dtype: every rank's rows, the padding cut off."""
+        shard = self.shard(i).detach().to(self.dtype)
+        whole = gather_rows(shard, self.shapes[i][0])
+        self.sent.append(("all_gather", shard.nbytes * self.world_size))
+        MEMORY.holds(whole._base, whole._base.nbytes)  # the buffer, padding included, that views keep
+        return whole
+
+    def reduce_scatter(self, i, grad):
+        """The gradient of parameter i's shard: this rank's rows of the sum over the ranks, / N,
+        summed in the shard's float32 (bfloat16's 8 bits would lose digits adding N gradients)."""
+        shard = self.shard(i)
+        padding = [0, 0] * (grad.dim() - 1) + [0, len(shard) * self.world_size - len(grad)]
+        grad = F.pad(grad.to(shard.dtype), padding)
+        mine = torch.empty_like(shard)
+        dist.reduce_scatter(mine, list(grad.chunk(self.world_size)))  # BY HAND: chunk r to rank r
+        self.sent.append(("reduce_scatter", grad.nbytes))
+        MEMORY.passes(grad)
+        return mine / self.world_size  # the average, as DDP's
+
+    def forward(self, x):
+        self.whole = GatherShards.apply(self, *(self.shard(i) for i in range(len(self.names))))
+        for name, whole in zip(self.names, self.whole):
+            setattr(self.layer, name, whole)  # the layer computes with the whole parameters ...
+        # ... which autograd must not keep for backward: it keeps a note, and gathers them again
+        with torch.autograd.graph.saved_tensors_hooks(self.note, self.gather_again):
+            y = self.layer(x.to(self.dtype))
+        for name in self.names:
+            setattr(self.layer, name, None)  # ... nor the layer: freed once forward is done
+        self.whole = None
+        return y
+
+    def note(self, tensor):
+        """Autograd saves `tensor` for backward: if it is (a view of) gathered parameter i, keep
+        only which one and how it was viewed."""
+        for i, whole in enumerate(self.whole):
+            if tensor.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+                return i, tensor.size(), tensor.stride(), tensor.storage_offset()
+        return tensor
+
+    def gather_again(self, saved):
+        if isinstance(saved, tuple):  # BY HAND: backward needs parameter i: gather it again
+            i, size, stride, offset = saved
+            return self.gather(i).as_strided(size, stride, offset)
+        return saved
+
+
+def shard_model(model, compute_dtype=None):
+    """Every layer that has parameters of its own becomes a ShardedLayer (in place; the model is
+    returned). A parameter shared by two layers is refused: each layer would shard its own copy."""
+    owners = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if owners.setdefault(p, name) != name:
+                raise ValueError(f"a parameter is shared by {owners[p]} and {name}: shard_model "
+                                 f"shards each layer's own parameters")
+    for name, module in list(model.named_modules()):
+        for child_name, child in module.named_children():
+            if any(True for _ in child.parameters(recurse=False)):
+                setattr(module, child_name, ShardedLayer(child, compute_dtype))
+    return model
+
+
+def full_state_dict(model):
+    """The whole parameters in float32, under the plain model's names, on every rank (for saving)."""
+    state = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ShardedLayer):
+            for i, name in enumerate(module.names):
+                state[f"{prefix}.{name}"] = gather_rows(module.shard(i).detach(), module.shapes[i][0]).clone()
+    return state
+
+
+def gather_rows(shard, rows):
+    """A parameter whole from every rank's shard (rank r's rows r * R to (r + 1) * R), its first
+    `rows` rows: the padding cut off. (The pieces received, as large, live only during the call.)"""
+    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, shard)  # BY HAND: rank r's shard into pieces[r], on every rank
+    return torch.cat(pieces)[:rows]
+
+
+class Memory:
+    """The bytes of whole parameters and whole gradients alive at once, counted from the tensors:
+    gathered ones from their making until they are freed, a whole gradient while it is reduce-
+    scattered. Under ZeRO-3 at most one layer's should be alive at a time."""
+
+    def __init__(self):
+        self.now = self.peak_gathered = self.peak_gradient = 0
+
+    def holds(self, tensor, nbytes):
+        self.now += nbytes
+        self.peak_gathered = max(self.peak_gathered, self.now)
+        weakref.finalize(tensor, self.freed, nbytes)
+
+    def freed(self, nbytes):
+        self.now -= nbytes
+
+    def passes(self, gradient):
+        self.peak_gradient = max(self.peak_gradient, gradient.nbytes)
+
+
+MEMORY = Memory()
+
+
 def parameter_groups(model, weight_decay):
     """Two groups, as most training scripts have them: weight matrices decay, biases do not."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -118,6 +273,16 @@ def optimizer_state_bytes(optimizer):
 
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bytes_written():
+    """What this process has written so far, its sockets included (Linux's /proc/self/io), or None."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------- one rank
@@ -128,47 +293,63 @@ def worker(rank, world_size, args):
     images, labels = load_split(args.dataset, args.data_dir, train=True)
 
     torch.manual_seed(args.seed)
-    model = DDP(build_model(args.model))  # the gradients averaged as in lesson 3, in every mode
+    if args.shard == "zero3":  # no DDP: each sharded layer reduce-scatters its own gradients
+        model = shard_model(build_model(args.model), COMPUTE_DTYPES[args.compute_dtype])
+    else:
+        model = DDP(build_model(args.model))  # the gradients averaged as in lesson 3
     optimizer = make_optimizer(model, args)
     # Rank r takes samples r, r + N, ... of each global batch: step k trains on the same G samples
     # for any N, so that 1, 2 or 3 ranks take the same steps.
     sampler = DistributedSampler(images, num_replicas=world_size, rank=rank,
                                  shuffle=not args.no_shuffle, seed=args.seed)
     batches = torch.tensor(list(sampler)).split(args.global_batch_size // world_size)
+    layers = [m for m in model.modules() if isinstance(m, ShardedLayer)]
 
     seconds, steps = [], 0
     for index in batches[:args.max_steps]:
-        start = time.perf_counter()
+        start, written = time.perf_counter(), bytes_written()
+        for layer in layers:
+            layer.sent.clear()  # what the last step exchanged is kept
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images[index]), labels[index]).backward()  # DDP: averaged gradients
-        optimizer.step()  # none: all of it here; zero1, torch: this rank's share, then broadcast
+        F.cross_entropy(model(images[index]).float(), labels[index]).backward()  # averaged gradients
+        optimizer.step()  # none, zero3: every parameter this rank holds; zero1, torch: its share, broadcast
         seconds.append(time.perf_counter() - start)
+        written = bytes_written() - written if written is not None else None  # the last step's is kept
         steps += 1
-    state = [0] * world_size  # each rank's optimizer state, measured from its tensors
-    dist.all_gather_object(state, optimizer_state_bytes(optimizer))
+    held = {"optimizer_state_bytes": optimizer_state_bytes(optimizer),  # each rank's, from its tensors
+            "parameter_bytes": sum(p.nbytes for p in model.parameters()), "written_bytes_per_step": written,
+            "gathered_peak_bytes": MEMORY.peak_gathered, "gradient_peak_bytes": MEMORY.peak_gradient}
+    every = [None] * world_size
+    dist.all_gather_object(every, held)
+    plain = build_model(args.model)  # the model whole, in float32, for scoring and saving
+    plain.load_state_dict(full_state_dict(model) if layers else model.module.state_dict())
 
     if rank == 0:
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
         with torch.no_grad():
-            model.eval()
-            correct = sum((model.module(x).argmax(1) == y).sum().item()
+            plain.eval()
+            correct = sum((plain(x).argmax(1) == y).sum().item()
                           for x, y in zip(test_images.split(512), test_labels.split(512)))
         accuracy, per_step = correct / len(test_labels), statistics.median(seconds[3:] or seconds)
-        parameter_bytes = sum(p.nbytes for p in model.parameters())
+        metrics = {key: [h[key] for h in every] for key in held}
+        sent = [call for layer in layers for call in layer.sent]  # zero3: the last step's collectives
+        metrics["sent_bytes_per_step"] = {b: sum(bytes_sent(c, size, world_size, b) for c, size in sent)
+                                          for b in BACKENDS} if layers else None
         if not args.quiet:
-            print("optimizer state per rank: " + ", ".join(f"{s / 2**20:.2f} MiB" for s in state)
-                  + f" (the parameters: {parameter_bytes / 2**20:.2f} MiB)", flush=True)
+            print("optimizer state per rank: " + ", ".join(f"{s / 2**20:.2f} MiB"
+                                                           for s in metrics["optimizer_state_bytes"])
+                  + ", parameters per rank: " + ", ".join(f"{s / 2**20:.2f} MiB"
+                                                         for s in metrics["parameter_bytes"]), flush=True)
         print(f"done: {args.model} on {args.dataset}, --shard {args.shard}, {args.optimizer}, {world_size} "
               f"processes, {steps} steps, test accuracy {accuracy:.2%}, {per_step * 1e3:.1f} ms per step",
               flush=True)
         if args.save:
-            torch.save(model.module.state_dict(), args.save)
+            torch.save(plain.state_dict(), args.save)
         if args.metrics_json:
             with open(args.metrics_json, "w") as f:
                 json.dump({"shard": args.shard, "optimizer": args.optimizer, "model": args.model,
-                           "world_size": world_size, "steps": steps, "test_accuracy": accuracy,
-                           "parameter_bytes": parameter_bytes, "optimizer_state_bytes": state,
-                           "ms_per_step": per_step * 1e3}, f, indent=2)
+                           "compute_dtype": args.compute_dtype, "world_size": world_size, "steps": steps,
+                           "test_accuracy": accuracy, "ms_per_step": per_step * 1e3, **metrics}, f, indent=2)
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
@@ -176,9 +357,11 @@ def worker(rank, world_size, args):
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--shard", choices=["none", "zero1", "torch"], default="zero1",
+    p.add_argument("--shard", choices=["none", "zero1", "torch", "zero3"], default="zero1",
                    help="none: DDP with the whole optimizer on every rank; zero1: ShardedOptimizer; "
-                        "torch: ZeroRedundancyOptimizer")
+                        "torch: ZeroRedundancyOptimizer; zero3: ShardedLayer (FSDP by hand)")
+    p.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
+                   help="zero3: gather the parameters and compute in this dtype (the shards stay float32)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                    help="adamw, or sgd with momentum 0.9")
     p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="mlp")
@@ -203,6 +386,8 @@ def parse_args(argv=None):
     if args.global_batch_size % args.nprocs:
         raise UsageError(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                          f"{args.nprocs} ranks: choose a multiple of {args.nprocs}")
+    if args.compute_dtype != "float32" and args.shard != "zero3":
+        raise UsageError(f"--compute-dtype {args.compute_dtype} is zero3's: add --shard zero3")
     if args.weight_decay < 0:
         raise UsageError(f"--weight-decay {args.weight_decay}: give 0 or more")
     if args.threads_per_proc is None:

@@ -70,7 +70,8 @@ def start(argv, env, watched=False):
 
 
 LAUNCHER = None
-COURSE_MODULES = ("ddp_hardening.py", "mnist_parts.py", "gcn_parts.py")  # what the scripts import
+# the modules the scripts import
+COURSE_MODULES = ("ddp_hardening.py", "mnist_parts.py", "gcn_parts.py", "comm_bytes.py")
 
 
 def trains(argv):

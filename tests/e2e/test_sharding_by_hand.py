@@ -1,9 +1,12 @@
-"""ddp_scripts/sharding_by_hand.py, ZeRO stage 1 by hand: ShardedOptimizer ends with the weights of
-one process running the unsharded optimizer on the same global batch (AdamW and SGD with momentum,
-parameter groups or a plain list, a parameter shared by two layers), for 2 and 3 ranks, and a control
-without the broadcast does not; it deals the parameters out as torch's ZeroRedundancyOptimizer does
-and holds, rank by rank, the optimizer state that torch's holds, together the unsharded state. And
-the script itself: each --shard takes DDP's steps."""
+"""ddp_scripts/sharding_by_hand.py, ZeRO stages 1 and 3 by hand. Stage 1: ShardedOptimizer ends with
+the weights of one process running the unsharded optimizer on the same global batch (AdamW and SGD
+with momentum, parameter groups or a plain list, a parameter shared by two layers), for 2 and 3
+ranks, and a control without the broadcast does not; it deals the parameters out as torch's
+ZeroRedundancyOptimizer does and holds, rank by rank, the optimizer state that torch's holds,
+together the unsharded state. Stage 3 (tests/e2e/fsdp_harness.py): one process's weights in float32,
+and in bfloat16 one process computing as the ranks do; its rows, one layer whole at a time, and its
+collectives' bytes. And the script itself: each --shard takes DDP's steps; zero3's memory and bytes
+on lesson 10's MLP."""
 import json
 from pathlib import Path
 
@@ -14,6 +17,8 @@ from helpers import SCRIPTS, free_port, load_script, max_abs_diff, run_script, s
 HARNESS = Path(__file__).with_name("sharding_harness.py")
 CASES = [("adamw", "groups"), ("sgd", "groups"), ("adamw", "list")]
 by_hand = load_script("sharding_by_hand")
+comm_bytes = load_script("comm_bytes")
+BF16_TOLERANCE = 1e-3  # ZeRO-3 computing in bfloat16 against one process doing the same
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
@@ -82,6 +87,8 @@ def test_the_script_in_each_mode_takes_ddps_steps(trained_sharding, optimizer):
     ddp = trained_sharding("none", optimizer)
     for shard in ("zero1", "torch"):
         assert max_abs_diff(trained_sharding(shard, optimizer), ddp) == 0.0  # the same arithmetic
+    # zero3 averages by reduce-scatter, not all-reduce: the same sums, on 2 ranks in the same order
+    assert max_abs_diff(trained_sharding("zero3", optimizer), ddp) < 1e-6
     # DDP itself takes one process's steps up to rounding; the control, one process on half the
     # global batch, takes other steps
     one = trained_sharding("none", optimizer, nprocs=1)
@@ -92,9 +99,28 @@ def test_the_script_in_each_mode_takes_ddps_steps(trained_sharding, optimizer):
 def test_the_script_reports_the_state_per_rank(trained_sharding, tmp_path):
     metrics = {shard: trained_sharding(shard, "adamw", metrics=True) for shard in ("none", "zero1", "torch")}
     unsharded = metrics["none"]["optimizer_state_bytes"]
-    assert unsharded[0] == unsharded[1] > 2 * metrics["none"]["parameter_bytes"]  # AdamW: 2P, and its steps
+    assert unsharded[0] == unsharded[1] > 2 * metrics["none"]["parameter_bytes"][0]  # AdamW: 2P, steps
     assert metrics["zero1"]["optimizer_state_bytes"] == metrics["torch"]["optimizer_state_bytes"]
     assert sum(metrics["zero1"]["optimizer_state_bytes"]) == unsharded[0]
+
+
+def test_zero3_in_the_script_holds_half_and_peaks_at_its_largest_layer(trained_sharding):
+    """Lesson 10's MLP on 2 ranks (its rows divide evenly): ZeRO-3's state (parameters, gradients,
+    AdamW's averages) is half of DDP's; its peak adds the largest layer gathered whole, 2048 x 2048
+    and 2048, and that matrix's whole gradient: about 0.86x DDP's state. What it wrote to its
+    sockets in a step is what comm_bytes counts for Gloo (the barrier's few bytes aside)."""
+    ddp, z3 = (trained_sharding(shard, "adamw", metrics=True) for shard in ("none", "zero3"))
+    state = {name: 2 * m["parameter_bytes"][0] + m["optimizer_state_bytes"][0]
+             for name, m in (("ddp", ddp), ("zero3", z3))}
+    steps = 4 * 6  # AdamW's step count, 4 bytes for each of the 6 tensors, on every rank
+    assert state["zero3"] - steps == (state["ddp"] - steps) / 2
+    assert z3["gathered_peak_bytes"] == [4 * (2048 * 2048 + 2048)] * 2
+    assert z3["gradient_peak_bytes"] == [4 * 2048 * 2048] * 2
+    peak = state["zero3"] + z3["gathered_peak_bytes"][0] + z3["gradient_peak_bytes"][0]
+    assert peak / state["ddp"] == pytest.approx(0.86, abs=0.005)
+    counted = z3["sent_bytes_per_step"]["gloo"]
+    assert all(counted <= written < 1.001 * counted for written in z3["written_bytes_per_step"])
+    assert z3["sent_bytes_per_step"]["nccl"] < counted
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +145,99 @@ def trained_sharding(tmp_path_factory, data_args):
     return train
 
 
-@pytest.mark.parametrize("args", [["--nprocs", "7"], ["--weight-decay", "-1"]])
+@pytest.mark.parametrize("args", [["--nprocs", "7"], ["--weight-decay", "-1"],
+                                  ["--compute-dtype", "bfloat16"]])  # zero3's alone
 def test_bad_flags_are_refused(args, data_args):
     with pytest.raises(by_hand.UsageError):
         by_hand.parse_args([*args, *map(str, data_args)])
+
+
+# ZeRO-3 by hand: tests/e2e/fsdp_harness.py runs shard_model on 2 and 3 ranks
+FSDP_HARNESS = Path(__file__).with_name("fsdp_harness.py")
+ROWS = {"0": 47, "2": 33, "4": 5}  # the harness's layers' output rows: 2 and 3 ranks do not divide them
+
+
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
+                ids=["2-ranks", "3-ranks"])
+def zero3(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero3") / "results.pt"
+    r = run_script(FSDP_HARNESS, request.param, SCRIPTS / "sharding_by_hand.py", out, timeout=180,
+                   env=script_env(HARNESS_PORT=free_port()))
+    assert r.returncode == 0, r.stderr
+    return request.param, torch.load(out)
+
+
+def test_zero3_by_hand_ends_with_one_process_weights(zero3):
+    _, got = zero3
+    assert max_abs_diff(got["float32"]["weights"], got["one_float32"]) < 1e-5  # 8 steps: rounding only
+    # the control: no reduce-scatter, each rank steps its rows with its own half of the batch
+    assert max_abs_diff(got["no_reduce_scatter"]["weights"], got["one_float32"]) > 1e-3
+
+
+def test_zero3_computing_in_bfloat16_is_one_process_computing_in_bfloat16(zero3):
+    """The shards stay float32; the layers compute in bfloat16, each rank on its part of the batch,
+    and the gradients are averaged in float32. One process doing the same (a bfloat16 copy computes
+    each part's gradients, averaged in float32, as gradient accumulation does) takes the same steps,
+    but for the order of the sums: 0 on 2 ranks and 5.7e-5 on 3 here (a float32 difference of one
+    unit in the last place can round a weight to another bfloat16 at the next step). The control,
+    one process in float32, is 3.2e-2 away."""
+    _, got = zero3
+    bf16 = got["bfloat16"]["weights"]
+    near, far = max_abs_diff(bf16, got["one_bfloat16_in_parts"]), max_abs_diff(bf16, got["one_float32"])
+    assert near < BF16_TOLERANCE < far
+
+
+def test_zero3_holds_its_rows_and_one_layer_whole_at_a_time(zero3):
+    n, got = zero3
+    held = got["float32"]["held"]
+    shapes = held[0]["shapes"]
+    whole = {k: 4 * n * torch.Size(s).numel() for k, s in shapes.items()}  # bytes, float32, padded
+    for name, rows in ROWS.items():  # each parameter's rows dealt out, the last rank's padded
+        assert shapes[f"{name}.weight"][0] == -(-rows // n) and shapes[f"{name}.bias"] == (-(-rows // n),)
+    padded = sum(whole.values())
+    assert [h["parameters"] for h in held] == [padded // n] * n
+    # AdamW: two averages of each shard and a 4-byte step count per tensor
+    assert [h["optimizer_state"] for h in held] == [2 * padded // n + 4 * 6] * n
+    # the gathered parameters alive at once: one layer's, the largest (weight and bias), never more
+    layer = max(whole[f"{k}.weight"] + whole[f"{k}.bias"] for k in ROWS)
+    assert all(h["gathered_peak"] == layer for h in held)
+    # the control keeps what autograd saves (the weights) whole until backward: more alive at once
+    assert all(h["gathered_peak"] > layer for h in got["keeps_whole"]["held"])
+
+
+def test_zero3_counts_its_collectives_and_their_bytes(zero3):
+    """A step: forward gathers every parameter; backward gathers again what autograd saved, the
+    weights of the layers whose input needs a gradient (not the first's); every gradient is
+    reduce-scattered. Each collective's bytes from comm_bytes.bytes_sent, as lessons 10 and 13 say."""
+    n, got = zero3
+    shapes = got["float32"]["held"][0]["shapes"]
+    whole = {k: 4 * n * torch.Size(s).numel() for k, s in shapes.items()}
+    sent = got["float32"]["sent"]
+    gathered = [size for c, size in sent if c == "all_gather"]
+    assert sorted(gathered) == sorted([*whole.values(), whole["2.weight"], whole["4.weight"]])
+    assert sorted(size for c, size in sent if c == "reduce_scatter") == sorted(whole.values())
+    padded = sum(whole.values())
+    total = {b: sum(comm_bytes.bytes_sent(c, size, n, b) for c, size in sent) for b in comm_bytes.BACKENDS}
+    again = whole["2.weight"] + whole["4.weight"]  # gathered for backward
+    assert total["nccl"] == pytest.approx((n - 1) / n * (2 * padded + again))
+    assert total["gloo"] == pytest.approx((n - 1) / n * (3 * padded + again))
+
+
+def test_shard_model_refuses_a_weight_shared_by_two_layers(one_rank_group):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match="shared by 0 and 1"):
+        by_hand.shard_model(model)
+
+
+def test_bytes_sent_is_the_ring_and_gloos_reduce_scatter_an_all_reduce():
+    assert comm_bytes.bytes_sent("all_reduce", 1200, 3) == 1600  # 2 (N - 1) / N
+    assert comm_bytes.bytes_sent("all_gather", 1200, 3, "gloo") == 800  # (N - 1) / N
+    assert comm_bytes.bytes_sent("reduce_scatter", 1200, 3, "nccl") == 800
+    assert comm_bytes.bytes_sent("reduce_scatter", 1200, 3, "gloo") == 1600
+    assert comm_bytes.bytes_sent("all_reduce", 1200, 1) == 0
+    for bad in [("broadcast", 1, 2), ("all_reduce", 1, 0), ("all_reduce", -1, 2)]:
+        with pytest.raises(ValueError):
+            comm_bytes.bytes_sent(*bad)
+    with pytest.raises(ValueError):
+        comm_bytes.bytes_sent("all_reduce", 1, 2, "mpi")

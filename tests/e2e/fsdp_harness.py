@@ -1,0 +1,110 @@
+"""Run in forked processes by tests/e2e/test_sharding_by_hand.py: sharding_by_hand.py's ZeRO-3 by
+hand (shard_model, ShardedLayer) against one process on the whole global batch, in float32 and with
+bfloat16 as the compute dtype, with two controls: one that reduce-scatters nothing (each rank steps
+its shard with its own gradient), one that keeps the gathered parameters for backward. Layers of
+47, 33 and 5 rows, which 2 and 3 ranks do not divide. Rank 0 saves {case: results}."""
+import copy
+import importlib.util
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+STEPS, GLOBAL_BATCH = 8, 24  # 24 splits over 2 and 3 ranks
+
+
+def net():
+    return nn.Sequential(nn.Linear(20, 47), nn.ReLU(), nn.Linear(47, 33), nn.ReLU(), nn.Linear(33, 5))
+
+
+def load(script):
+    sys.path.insert(0, os.path.dirname(script))  # where the script finds the modules it imports
+    spec = importlib.util.spec_from_file_location("sharding_by_hand", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_process(by_hand, x, y, dtype, parts=1):
+    """The unsharded model, float32 master weights, AdamW. Each step: for each of `parts` equal parts
+    of the global batch, a copy in `dtype` computes that part's gradients, which are brought back to
+    float32 and averaged (as gradient accumulation does; one part: the whole batch at once)."""
+    torch.manual_seed(0)
+    master = net()
+    optimizer = torch.optim.AdamW(by_hand.parameter_groups(master, 0.1), lr=0.01)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for xs, ys in zip(x[step].chunk(parts), y[step].chunk(parts)):
+            compute = copy.deepcopy(master).to(dtype)
+            F.cross_entropy(compute(xs.to(dtype)).float(), ys).backward()
+            for p, q in zip(master.parameters(), compute.parameters()):
+                p.grad = q.grad.float() / parts + (p.grad if p.grad is not None else 0)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def worker(rank, world_size, script, out):
+    by_hand = load(script)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)  # the same data on every rank
+    x = torch.randn(STEPS, GLOBAL_BATCH, 20, generator=generator)
+    y = torch.randint(0, 5, (STEPS, GLOBAL_BATCH), generator=generator)
+    per_rank = GLOBAL_BATCH // world_size
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)  # this rank's part of each global batch
+
+    class NoReduceScatter(by_hand.ShardedLayer):  # control: each rank's own gradient, its rows
+        def reduce_scatter(self, i, grad):
+            rows = len(self.shard(i))
+            grad = F.pad(grad, [0, 0] * (grad.dim() - 1) + [0, rows * self.world_size - len(grad)])
+            return grad[rank * rows:(rank + 1) * rows].to(self.shard(i).dtype)
+
+    class KeepsWhole(by_hand.ShardedLayer):  # control: autograd keeps the gathered parameters
+        def note(self, tensor):
+            return tensor
+
+    results = {}
+    for case, dtype, layer_class in [("float32", None, by_hand.ShardedLayer),
+                                     ("bfloat16", torch.bfloat16, by_hand.ShardedLayer),
+                                     ("no_reduce_scatter", None, NoReduceScatter),
+                                     ("keeps_whole", None, KeepsWhole)]:
+        by_hand.MEMORY = by_hand.Memory()  # each case counts its own
+        by_hand.ShardedLayer, saved_class = layer_class, by_hand.ShardedLayer
+        torch.manual_seed(0)
+        model = by_hand.shard_model(net(), dtype)
+        by_hand.ShardedLayer = saved_class
+        optimizer = torch.optim.AdamW(by_hand.parameter_groups(model, 0.1), lr=0.01)
+        layers = [m for m in model.modules() if isinstance(m, by_hand.ShardedLayer)]
+        for step in range(STEPS):
+            for layer in layers:
+                layer.sent.clear()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[step, mine]).float(), y[step, mine]).backward()
+            optimizer.step()
+        held = {"parameters": sum(p.nbytes for p in model.parameters()),
+                "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+                "optimizer_state": by_hand.optimizer_state_bytes(optimizer),
+                "gathered_peak": by_hand.MEMORY.peak_gathered, "gradient_peak": by_hand.MEMORY.peak_gradient}
+        every = [None] * world_size
+        dist.all_gather_object(every, held)
+        results[case] = {"weights": by_hand.full_state_dict(model), "held": every,
+                         "sent": [call for layer in layers for call in layer.sent]}
+    results["one_float32"] = one_process(by_hand, x, y, torch.float32)
+    results["one_bfloat16"] = one_process(by_hand, x, y, torch.bfloat16)
+    results["one_bfloat16_in_parts"] = one_process(by_hand, x, y, torch.bfloat16, parts=world_size)
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size, script, out = int(sys.argv[1]), *sys.argv[2:]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = os.environ.get("HARNESS_PORT", "29513")
+    mp.start_processes(worker, args=(world_size, script, out), nprocs=world_size,
+                       start_method="fork")  # no thread has started here: fork is safe
