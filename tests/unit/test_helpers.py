@@ -12,7 +12,9 @@ def test_ranks_of_passes_over_a_child_that_exited_and_was_not_yet_reaped():
     waits for it, it is a zombie, whose command line psutil cannot read. Seen once on a loaded
     machine (psutil.ZombieProcess out of a test's start-up poll); here the zombie stays."""
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
-                               "subprocess.Popen(['true'])\n"  # never waited for
+                               # never waited for; kept, for a dropped Popen reaps its child
+                               # as it is collected if it has already exited (under load, it had)
+                               "child = subprocess.Popen(['true'])\n"
                                "print('started', flush=True)\n"
                                "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
     try:
