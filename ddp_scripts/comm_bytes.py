@@ -1,10 +1,11 @@
-"""What one collective sends, per rank: the one formula that lessons 9, 10 and 13 and the tests use.
+"""What one collective sends, per rank: the one formula that the lessons and the tests use.
 
 On a ring of N ranks (lesson 9), each rank sends N - 1 chunks of size/N in each of an all-reduce's
 two phases: the reduce-scatter phase leaves each rank the sum of one chunk, the all-gather phase
-sends those sums around. All-gather and reduce-scatter are each one of the two phases. NCCL runs
-them so. PyTorch's Gloo backend has no reduce-scatter of its own: it all-reduces the whole input
-and keeps its chunk, so a reduce-scatter sends what an all-reduce does (measured in lesson 10).
+sends those sums around. All-gather and reduce-scatter are each one of the two phases; NCCL's ring
+algorithm runs them so. PyTorch's Gloo backend has no reduce-scatter of its own: it all-reduces the
+whole input and keeps its chunk, so a reduce-scatter sends what an all-reduce does (measured in
+lesson 10).
 """
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")

@@ -140,7 +140,7 @@ def train(rank, world_size, args):
     torch.manual_seed(args.seed)
     plain = (BNNet(args.batchnorm == "sync", args.unused_head, args.checkpoint) if args.model == "bnnet"
              else build_model(args.model)).to(torch.float64 if args.float64 else torch.float32)
-    # forward_sync_buffers (default on; before torch 2.14, broadcast_buffers): before each training
+    # forward_sync_buffers (default on; before torch 2.13, broadcast_buffers): before each training
     # forward, rank 0's buffers (BatchNorm's running statistics) overwrite the others'.
     # find_unused_parameters: after each forward, look in the autograd graph for the parameters
     # backward will not reach. static_graph: learn once which those are.

@@ -101,6 +101,37 @@ class ShardedOptimizer:
 
 
 # --------------------------------------------------------------------------- ZeRO-3 (FSDP) by hand
+def gather_rows(shard, rows):
+    """A parameter whole from every rank's shard (rank r's rows r * R to (r + 1) * R), its first
+    `rows` rows: the padding cut off. (The pieces received, as large, live only during the call.)"""
+    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, shard)  # BY HAND: rank r's shard into pieces[r], on every rank
+    return torch.cat(pieces)[:rows]
+
+
+class Memory:
+    """What ZeRO-3 keeps whole, counted from the tensors: the bytes of gathered parameters alive at
+    once (each from its gathering until it is freed), and the largest whole gradient reduce-
+    scattered. Left out: the copies that live only while a collective runs."""
+
+    def __init__(self):
+        self.now = self.peak_gathered = self.peak_gradient = 0
+
+    def holds(self, tensor, nbytes):
+        self.now += nbytes
+        self.peak_gathered = max(self.peak_gathered, self.now)
+        weakref.finalize(tensor, self.freed, nbytes)  # called when the tensor is freed
+
+    def freed(self, nbytes):
+        self.now -= nbytes
+
+    def passes(self, gradient):
+        self.peak_gradient = max(self.peak_gradient, gradient.nbytes)
+
+
+MEMORY = Memory()
+
+
 class GatherShards(torch.autograd.Function):
     """Forward: all-gather each of a layer's parameters whole from the ranks' shards. Backward:
     reduce-scatter each whole gradient, so that every rank keeps the average of its own shard's."""
@@ -116,11 +147,12 @@ class GatherShards(torch.autograd.Function):
 
 
 class ShardedLayer(nn.Module):
-    """ZeRO stage 3 for one layer, as FSDP2's fully_shard does it: each parameter is kept as rows
-    [r * R, (r + 1) * R) on rank r (R = its rows / N rounded up; zeros pad the last rank's), whole
-    only while the layer computes: gathered just before forward, freed after it, gathered again
-    when backward needs it. compute_dtype: gather and compute in it (bfloat16 on a CPU, float16 on a
-    GPU) while the shards, the optimizer's master copy, stay float32."""
+    """ZeRO stage 3 for one layer: each parameter is kept as rows [r * R, (r + 1) * R) on rank r
+    (R = its rows / N rounded up; zeros pad the last rank's), whole only while the layer computes:
+    gathered just before forward, freed after it, gathered again when backward needs it. Every rank
+    must build the layer alike (the same seed): there is no DDP to broadcast rank 0's start.
+    compute_dtype: gather and compute in it (bfloat16) while the shards, the optimizer's master
+    copy, keep the parameters' dtype; the gradients are averaged in the shards' dtype."""
 
     def __init__(self, layer, compute_dtype=None):
         super().__init__()
@@ -128,13 +160,17 @@ class ShardedLayer(nn.Module):
         self.layer, self.names = layer, [name for name, _ in layer.named_parameters(recurse=False)]
         self.shapes = [getattr(layer, name).shape for name in self.names]
         for name in self.names:
-            whole = getattr(layer, name).detach()
+            whole = getattr(layer, name)
+            if whole.dim() == 0:
+                raise ValueError(f"{name} is a scalar: there are no rows to shard")
             rows = -(-len(whole) // self.world_size)  # rounded up
-            padded = F.pad(whole, [0, 0] * (whole.dim() - 1) + [0, rows * self.world_size - len(whole)])
+            padding = [0, 0] * (whole.dim() - 1) + [0, rows * self.world_size - len(whole)]
+            padded = F.pad(whole.detach(), padding)
             # this rank's rows, under the parameter's own name: an optimizer sees shards like parameters
-            self.register_parameter(name, nn.Parameter(padded[rank * rows:(rank + 1) * rows].clone()))
+            mine = nn.Parameter(padded[rank * rows:(rank + 1) * rows].clone(), whole.requires_grad)
             delattr(layer, name)  # the layer keeps no whole copy
-        self.dtype = compute_dtype or torch.float32
+            self.register_parameter(name, mine)
+        self.dtype = compute_dtype or self.shard(0).dtype
         self.whole = None  # the gathered parameters, while forward runs
         self.sent = []  # (collective, bytes of the whole), each call: what the ranks exchanged
 
@@ -151,10 +187,10 @@ class ShardedLayer(nn.Module):
 
     def reduce_scatter(self, i, grad):
         """The gradient of parameter i's shard: this rank's rows of the sum over the ranks, / N,
-        summed in the shard's float32 (bfloat16's 8 bits would lose digits adding N gradients)."""
+        summed in the shard's dtype (bfloat16's 8 bits would lose digits adding N gradients)."""
         shard = self.shard(i)
         padding = [0, 0] * (grad.dim() - 1) + [0, len(shard) * self.world_size - len(grad)]
-        grad = F.pad(grad.to(shard.dtype), padding)
+        grad = F.pad(grad.to(shard.dtype), padding)  # also a contiguous copy (a weight's arrives transposed)
         mine = torch.empty_like(shard)
         dist.reduce_scatter(mine, list(grad.chunk(self.world_size)))  # BY HAND: chunk r to rank r
         self.sent.append(("reduce_scatter", grad.nbytes))
@@ -163,15 +199,16 @@ class ShardedLayer(nn.Module):
 
     def forward(self, x):
         self.whole = GatherShards.apply(self, *(self.shard(i) for i in range(len(self.names))))
-        for name, whole in zip(self.names, self.whole):
-            setattr(self.layer, name, whole)  # the layer computes with the whole parameters ...
-        # ... which autograd must not keep for backward: it keeps a note, and gathers them again
-        with torch.autograd.graph.saved_tensors_hooks(self.note, self.gather_again):
-            y = self.layer(x.to(self.dtype))
-        for name in self.names:
-            setattr(self.layer, name, None)  # ... nor the layer: freed once forward is done
-        self.whole = None
-        return y
+        try:
+            for name, whole in zip(self.names, self.whole):
+                setattr(self.layer, name, whole)  # the layer computes with the whole parameters ...
+            # ... which autograd must not keep for backward: it keeps a note, and gathers them again
+            with torch.autograd.graph.saved_tensors_hooks(self.note, self.gather_again):
+                return self.layer(x.to(self.dtype))
+        finally:
+            for name in self.names:
+                setattr(self.layer, name, None)  # ... nor the layer: freed once forward is done
+            self.whole = None
 
     def note(self, tensor):
         """Autograd saves `tensor` for backward: if it is (a view of) gathered parameter i, keep
@@ -179,7 +216,7 @@ class ShardedLayer(nn.Module):
         for i, whole in enumerate(self.whole):
             if tensor.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
                 return i, tensor.size(), tensor.stride(), tensor.storage_offset()
-        return tensor
+        return tensor.detach()  # (not the tensor itself: a tensor saving itself would be a cycle)
 
     def gather_again(self, saved):
         if isinstance(saved, tuple):  # BY HAND: backward needs parameter i: gather it again
@@ -190,13 +227,16 @@ class ShardedLayer(nn.Module):
 
 def shard_model(model, compute_dtype=None):
     """Every layer that has parameters of its own becomes a ShardedLayer (in place; the model is
-    returned). A parameter shared by two layers is refused: each layer would shard its own copy."""
+    returned). Refused: a parameter shared by two layers (each would shard its own copy), and
+    parameters of the model itself (no parent to hold its ShardedLayer)."""
     owners = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
             if owners.setdefault(p, name) != name:
                 raise ValueError(f"a parameter is shared by {owners[p]} and {name}: shard_model "
                                  f"shards each layer's own parameters")
+    if "" in owners.values():
+        raise ValueError("the model has parameters of its own: give shard_model a model of layers")
     for name, module in list(model.named_modules()):
         for child_name, child in module.named_children():
             if any(True for _ in child.parameters(recurse=False)):
@@ -205,44 +245,13 @@ def shard_model(model, compute_dtype=None):
 
 
 def full_state_dict(model):
-    """The whole parameters in float32, under the plain model's names, on every rank (for saving)."""
+    """The whole parameters, in the shards' dtype, under the plain model's names, on every rank."""
     state = {}
     for prefix, module in model.named_modules():
         if isinstance(module, ShardedLayer):
             for i, name in enumerate(module.names):
                 state[f"{prefix}.{name}"] = gather_rows(module.shard(i).detach(), module.shapes[i][0]).clone()
     return state
-
-
-def gather_rows(shard, rows):
-    """A parameter whole from every rank's shard (rank r's rows r * R to (r + 1) * R), its first
-    `rows` rows: the padding cut off. (The pieces received, as large, live only during the call.)"""
-    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, shard)  # BY HAND: rank r's shard into pieces[r], on every rank
-    return torch.cat(pieces)[:rows]
-
-
-class Memory:
-    """The bytes of whole parameters and whole gradients alive at once, counted from the tensors:
-    gathered ones from their making until they are freed, a whole gradient while it is reduce-
-    scattered. Under ZeRO-3 at most one layer's should be alive at a time."""
-
-    def __init__(self):
-        self.now = self.peak_gathered = self.peak_gradient = 0
-
-    def holds(self, tensor, nbytes):
-        self.now += nbytes
-        self.peak_gathered = max(self.peak_gathered, self.now)
-        weakref.finalize(tensor, self.freed, nbytes)
-
-    def freed(self, nbytes):
-        self.now -= nbytes
-
-    def passes(self, gradient):
-        self.peak_gradient = max(self.peak_gradient, gradient.nbytes)
-
-
-MEMORY = Memory()
 
 
 def parameter_groups(model, weight_decay):
@@ -273,7 +282,7 @@ def optimizer_state_bytes(optimizer):
 
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # float16 needs a loss scale
 
 
 def bytes_written():

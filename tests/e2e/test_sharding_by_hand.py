@@ -223,11 +223,26 @@ def test_zero3_counts_its_collectives_and_their_bytes(zero3):
     assert total["gloo"] == pytest.approx((n - 1) / n * (3 * padded + again))
 
 
-def test_shard_model_refuses_a_weight_shared_by_two_layers(one_rank_group):
+def test_shard_model_refuses_a_weight_shared_by_two_layers_or_the_models_own(one_rank_group):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].weight = model[0].weight
     with pytest.raises(ValueError, match="shared by 0 and 1"):
         by_hand.shard_model(model)
+    with pytest.raises(ValueError, match="parameters of its own"):
+        by_hand.shard_model(torch.nn.Linear(4, 4))
+
+
+def test_a_sharded_layer_keeps_a_frozen_parameter_frozen_and_computes_as_the_layer(one_rank_group):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(5, 3)
+    layer.bias.requires_grad_(False)
+    x = torch.randn(4, 5)
+    expected = layer(x).sum()
+    model = by_hand.shard_model(torch.nn.Sequential(layer))
+    got = model(x).sum()
+    got.backward()
+    assert torch.allclose(got, expected)
+    assert model[0].weight.grad is not None and not model[0].bias.requires_grad
 
 
 def test_bytes_sent_is_the_ring_and_gloos_reduce_scatter_an_all_reduce():
