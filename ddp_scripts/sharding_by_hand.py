@@ -1,8 +1,9 @@
-"""Lesson 10, by hand: ZeRO stage 1 (the optimizer's state sharded) and stage 3 (everything sharded).
+"""Lesson 10, by hand: ZeRO stages 1 (the optimizer's state sharded), 2 (and the gradients), 3 (all).
 
     python sharding_by_hand.py --nprocs 2 --shard zero1 --max-steps 20 --save zero1.pt
     python sharding_by_hand.py --nprocs 2 --shard torch --max-steps 20 --save torch.pt   # torch's ZeRO
     python sharding_by_hand.py --nprocs 2 --shard none --max-steps 20 --save ddp.pt      # DDP, unsharded
+    python sharding_by_hand.py --nprocs 2 --shard zero2 --max-steps 20 --save zero2.pt   # and the gradients
     python sharding_by_hand.py --nprocs 2 --shard zero3 --max-steps 20 --save zero3.pt   # FSDP by hand
     python sharding_by_hand.py --nprocs 2 --shard zero3 --compute-dtype bfloat16 --max-steps 20
 
@@ -19,7 +20,9 @@ parameter groups: the weight matrices with weight decay, the biases without.
 --shard zero3 keeps no whole parameter anywhere: ShardedLayer keeps 1/N of each parameter's rows
 per rank, gathers a layer whole just before its forward, frees it after, gathers it again when
 backward needs it, and reduce-scatters the gradients: each rank steps its own rows. It counts the
-bytes of its collectives (comm_bytes.py) and of the whole tensors alive at once.
+bytes of its collectives (comm_bytes.py) and of the whole tensors alive at once. --shard zero2
+(ShardedGradients) keeps the parameters whole and reduce-scatters the gradients: each rank keeps
+its rows' gradients and optimizer state, steps them, and all-gathers the updated rows.
 A teaching script: it reads the data that mnist_single.py (or any lesson script) has prepared, and
 it has none of the hardening of mnist_fsdp.py, which is the one to copy.
 """
@@ -254,6 +257,54 @@ def full_state_dict(model):
     return state
 
 
+# --------------------------------------------------------------------------- ZeRO-2 by hand
+class ShardedGradients:
+    """ZeRO stage 2, between the two: every rank keeps the parameters whole, but of each gradient
+    and of the optimizer's state only its rows (dealt as ShardedLayer deals them). As backward
+    completes a gradient, it is reduce-scattered and the whole one freed; the optimizer steps this
+    rank's rows; an all-gather brings every rank's updated rows to all. No DDP: the reduce-scatter
+    averages. Takes parameters or parameter groups, and any optimizer class, as ShardedOptimizer."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        self.world_size, rank = dist.get_world_size(), dist.get_rank()
+        groups = list(params)
+        if not groups or not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.rows, share, self.sent = {}, [], []  # parameter -> this rank's rows of it, as a parameter
+        for group in groups:
+            for p in [p for p in dict.fromkeys(group["params"]) if p not in self.rows]:
+                if p.dim() == 0:
+                    raise ValueError("a scalar parameter has no rows to shard")
+                rows = -(-len(p) // self.world_size)
+                padded = F.pad(p.detach(), [0, 0] * (p.dim() - 1) + [0, rows * self.world_size - len(p)])
+                self.rows[p] = nn.Parameter(padded[rank * rows:(rank + 1) * rows].clone())
+                p.register_post_accumulate_grad_hook(self.reduce_scatter)  # BY HAND: p's gradient is whole
+            share.append({**group, "params": [self.rows[p] for p in dict.fromkeys(group["params"])]})
+        self.optimizer = optimizer_class(share, **defaults)  # its state: this rank's rows only
+        self.param_groups = self.optimizer.param_groups
+
+    def reduce_scatter(self, p):
+        mine = self.rows[p]
+        grad = F.pad(p.grad, [0, 0] * (p.dim() - 1) + [0, len(mine) * self.world_size - len(p)])
+        mine.grad = torch.empty_like(mine)
+        dist.reduce_scatter(mine.grad, list(grad.chunk(self.world_size)))  # BY HAND: rows r to rank r
+        mine.grad /= self.world_size  # the average, as DDP's
+        p.grad = None  # BY HAND: the whole gradient is freed; this rank keeps its rows'
+        self.sent.append(("reduce_scatter", grad.nbytes))
+        MEMORY.passes(grad)
+
+    def zero_grad(self, set_to_none=True):
+        for mine in self.rows.values():
+            mine.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        self.optimizer.step()  # this rank's rows, from their averaged gradient
+        for p, mine in self.rows.items():  # BY HAND: every rank's updated rows, to every rank
+            p.copy_(gather_rows(mine, len(p)))
+            self.sent.append(("all_gather", mine.nbytes * self.world_size))
+
+
 def parameter_groups(model, weight_decay):
     """Two groups, as most training scripts have them: weight matrices decay, biases do not."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -262,9 +313,12 @@ def parameter_groups(model, weight_decay):
 
 
 def make_optimizer(model, args):
-    """--shard none: the whole optimizer on every rank; zero1: by hand; torch: ZeroRedundancyOptimizer."""
+    """--shard none, zero3: the whole optimizer on what this rank holds; zero1, zero2: by hand; torch:
+    ZeroRedundancyOptimizer."""
     optimizer_class, options = OPTIMIZERS[args.optimizer]
     groups = parameter_groups(model, args.weight_decay)
+    if args.shard == "zero2":
+        return ShardedGradients(groups, optimizer_class, lr=args.lr, **options)
     if args.shard == "zero1":
         return ShardedOptimizer(groups, optimizer_class, lr=args.lr, **options)
     if args.shard == "torch":
@@ -274,7 +328,7 @@ def make_optimizer(model, args):
 
 def optimizer_state_bytes(optimizer):
     """What this rank's optimizer holds in state, whichever --shard made it."""
-    if isinstance(optimizer, ShardedOptimizer):
+    if isinstance(optimizer, (ShardedOptimizer, ShardedGradients)):
         optimizer = optimizer.optimizer  # the optimizer of this rank's share
     elif isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim  # likewise, in torch's
@@ -304,6 +358,8 @@ def worker(rank, world_size, args):
     torch.manual_seed(args.seed)
     if args.shard == "zero3":  # no DDP: each sharded layer reduce-scatters its own gradients
         model = shard_model(build_model(args.model), COMPUTE_DTYPES[args.compute_dtype])
+    elif args.shard == "zero2":  # no DDP: ShardedGradients reduce-scatters the gradients
+        model = build_model(args.model)
     else:
         model = DDP(build_model(args.model))  # the gradients averaged as in lesson 3
     optimizer = make_optimizer(model, args)
@@ -317,21 +373,24 @@ def worker(rank, world_size, args):
     seconds, steps = [], 0
     for index in batches[:args.max_steps]:
         start, written = time.perf_counter(), bytes_written()
-        for layer in layers:
-            layer.sent.clear()  # what the last step exchanged is kept
+        for counted in [*layers, optimizer]:
+            getattr(counted, "sent", []).clear()  # what the last step exchanged is kept
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(images[index]).float(), labels[index]).backward()  # averaged gradients
         optimizer.step()  # none, zero3: every parameter this rank holds; zero1, torch: its share, broadcast
         seconds.append(time.perf_counter() - start)
         written = bytes_written() - written if written is not None else None  # the last step's is kept
         steps += 1
+    rows = getattr(optimizer, "rows", {})  # zero2: this rank's rows, whose gradients it keeps
+    grads = [t.grad for t in [*model.parameters(), *rows.values()] if t.grad is not None]
     held = {"optimizer_state_bytes": optimizer_state_bytes(optimizer),  # each rank's, from its tensors
             "parameter_bytes": sum(p.nbytes for p in model.parameters()), "written_bytes_per_step": written,
+            "gradient_bytes": sum(g.nbytes for g in grads),
             "gathered_peak_bytes": MEMORY.peak_gathered, "gradient_peak_bytes": MEMORY.peak_gradient}
     every = [None] * world_size
     dist.all_gather_object(every, held)
     plain = build_model(args.model)  # the model whole, in float32, for scoring and saving
-    plain.load_state_dict(full_state_dict(model) if layers else model.module.state_dict())
+    plain.load_state_dict(full_state_dict(model) if layers else getattr(model, "module", model).state_dict())
 
     if rank == 0:
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
@@ -341,9 +400,10 @@ def worker(rank, world_size, args):
                           for x, y in zip(test_images.split(512), test_labels.split(512)))
         accuracy, per_step = correct / len(test_labels), statistics.median(seconds[3:] or seconds)
         metrics = {key: [h[key] for h in every] for key in held}
-        sent = [call for layer in layers for call in layer.sent]  # zero3: the last step's collectives
+        # zero2, zero3: the last step's collectives, as they counted them
+        sent = [call for layer in layers for call in layer.sent] + getattr(optimizer, "sent", [])
         metrics["sent_bytes_per_step"] = {b: sum(bytes_sent(c, size, world_size, b) for c, size in sent)
-                                          for b in BACKENDS} if layers else None
+                                          for b in BACKENDS} if sent else None
         if not args.quiet:
             print("optimizer state per rank: " + ", ".join(f"{s / 2**20:.2f} MiB"
                                                            for s in metrics["optimizer_state_bytes"])
@@ -366,9 +426,10 @@ def worker(rank, world_size, args):
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--shard", choices=["none", "zero1", "torch", "zero3"], default="zero1",
+    p.add_argument("--shard", choices=["none", "zero1", "torch", "zero2", "zero3"], default="zero1",
                    help="none: DDP with the whole optimizer on every rank; zero1: ShardedOptimizer; "
-                        "torch: ZeroRedundancyOptimizer; zero3: ShardedLayer (FSDP by hand)")
+                        "torch: ZeroRedundancyOptimizer; zero2: ShardedGradients; zero3: ShardedLayer "
+                        "(FSDP by hand)")
     p.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
                    help="zero3: gather the parameters and compute in this dtype (the shards stay float32)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",

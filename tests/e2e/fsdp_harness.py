@@ -1,8 +1,9 @@
-"""Run in forked processes by tests/e2e/test_sharding_by_hand.py: sharding_by_hand.py's ZeRO-3 by
-hand (shard_model, ShardedLayer) against one process on the whole global batch, in float32 and with
-bfloat16 as the compute dtype, with two controls: one that reduce-scatters nothing (each rank steps
-its shard with its own gradient), one that keeps the gathered parameters for backward. Layers of
-47, 33 and 5 rows, which 2 and 3 ranks do not divide. Rank 0 saves {case: results}."""
+"""Run in forked processes by tests/e2e/test_sharding_by_hand.py: sharding_by_hand.py's ZeRO-3 by hand
+(shard_model, ShardedLayer) and ZeRO-2 (ShardedGradients) against one process on the whole global
+batch, in float32 and with bfloat16 as the compute dtype, with two controls: one that reduce-
+scatters nothing (each rank steps its shard with its own gradient), one that keeps the gathered
+parameters for backward. Layers of 47, 33 and 5 rows, which 2 and 3 ranks do not divide. Rank 0
+saves {case: results}."""
 import copy
 import importlib.util
 import os
@@ -94,6 +95,27 @@ def worker(rank, world_size, script, out):
         dist.all_gather_object(every, held)
         results[case] = {"weights": by_hand.full_state_dict(model), "held": every,
                          "sent": [call for layer in layers for call in layer.sent]}
+    # ZeRO-2: the parameters whole, the gradients and AdamW's state in rows
+    by_hand.MEMORY = by_hand.Memory()
+    torch.manual_seed(0)
+    model = net()
+    optimizer = by_hand.ShardedGradients(by_hand.parameter_groups(model, 0.1), torch.optim.AdamW, lr=0.01)
+    for step in range(STEPS):
+        optimizer.sent.clear()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[step, mine]), y[step, mine]).backward()
+        assert all(p.grad is None for p in model.parameters())  # each whole gradient freed in backward
+        optimizer.step()
+    held = {"gradients": sum(t.grad.nbytes for t in optimizer.rows.values()),
+            "rows": sum(t.nbytes for t in optimizer.rows.values()),
+            "optimizer_state": by_hand.optimizer_state_bytes(optimizer)}
+    every = [None] * world_size
+    dist.all_gather_object(every, held)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    alike = [None] * world_size
+    dist.all_gather_object(alike, weights)
+    results["zero2"] = {"weights": weights, "held": every, "sent": list(optimizer.sent),
+                        "ranks_equal": all(torch.equal(w[k], weights[k]) for w in alike for k in w)}
     results["one_float32"] = one_process(by_hand, x, y, torch.float32)
     results["one_bfloat16"] = one_process(by_hand, x, y, torch.bfloat16)
     results["one_bfloat16_in_parts"] = one_process(by_hand, x, y, torch.bfloat16, parts=world_size)

@@ -19,7 +19,7 @@ MISTAKES = {
     "gcn_ddp.py": ["--num-neighbors", "ten"],
     "mnist_by_hand.py": ["--sync", "ring"],
     "allreduce_by_hand.py": ["--mode", "x"],
-    "sharding_by_hand.py": ["--shard", "zero2"],
+    "sharding_by_hand.py": ["--shard", "zero4"],
     "mnist_model_parallel.py": ["--mode", "tp", "--nprocs", "3", "--width", "64"],
     "template_ddp.py": ["--lr", "-1"],
 }

@@ -87,8 +87,9 @@ def test_the_script_in_each_mode_takes_ddps_steps(trained_sharding, optimizer):
     ddp = trained_sharding("none", optimizer)
     for shard in ("zero1", "torch"):
         assert max_abs_diff(trained_sharding(shard, optimizer), ddp) == 0.0  # the same arithmetic
-    # zero3 averages by reduce-scatter, not all-reduce: the same sums, on 2 ranks in the same order
-    assert max_abs_diff(trained_sharding("zero3", optimizer), ddp) < 1e-6
+    # zero2 and zero3 average by reduce-scatter, not all-reduce: the same sums, on 2 ranks in the same order
+    for shard in ("zero2", "zero3"):
+        assert max_abs_diff(trained_sharding(shard, optimizer), ddp) < 1e-6
     # DDP itself takes one process's steps up to rounding; the control, one process on half the
     # global batch, takes other steps
     one = trained_sharding("none", optimizer, nprocs=1)
@@ -221,6 +222,23 @@ def test_zero3_counts_its_collectives_and_their_bytes(zero3):
     again = whole["2.weight"] + whole["4.weight"]  # gathered for backward
     assert total["nccl"] == pytest.approx((n - 1) / n * (2 * padded + again))
     assert total["gloo"] == pytest.approx((n - 1) / n * (3 * padded + again))
+
+
+def test_zero2_by_hand_ends_with_one_process_weights_holding_its_rows_gradients(zero3):
+    """ZeRO-2: the parameters whole on every rank (equal after each all-gather), the gradients and
+    AdamW's state of its rows only; a step reduce-scatters every gradient and all-gathers every
+    parameter: on NCCL the all-reduce's bytes, DDP's."""
+    n, got = zero3
+    assert max_abs_diff(got["zero2"]["weights"], got["one_float32"]) < 1e-5 and got["zero2"]["ranks_equal"]
+    shapes = got["float32"]["held"][0]["shapes"]  # ZeRO-3's rows: the same dealing
+    rows = sum(4 * torch.Size(s).numel() for s in shapes.values())
+    assert all(h == {"gradients": rows, "rows": rows, "optimizer_state": 2 * rows + 4 * 6}
+               for h in got["zero2"]["held"])
+    padded = n * rows
+    sent = got["zero2"]["sent"]
+    assert sorted(c for c, _ in sent) == ["all_gather"] * 6 + ["reduce_scatter"] * 6
+    nccl = sum(comm_bytes.bytes_sent(c, size, n, "nccl") for c, size in sent)
+    assert nccl == pytest.approx(comm_bytes.bytes_sent("all_reduce", padded, n, "nccl"))
 
 
 def test_shard_model_refuses_a_weight_shared_by_two_layers_or_the_models_own(one_rank_group):
