@@ -153,14 +153,15 @@ def test_bad_flags_are_refused(args, data_args):
         by_hand.parse_args([*args, *map(str, data_args)])
 
 
-# ZeRO-3 by hand: tests/e2e/fsdp_harness.py runs shard_model on 2 and 3 ranks
+# ZeRO-3 and ZeRO-2 by hand: tests/e2e/fsdp_harness.py runs them on 2 and 3 ranks
 FSDP_HARNESS = Path(__file__).with_name("fsdp_harness.py")
 ROWS = {"0": 47, "2": 33, "4": 5}  # the harness's layers' output rows: 2 and 3 ranks do not divide them
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
                 ids=["2-ranks", "3-ranks"])
-def zero3(request, tmp_path_factory):
+def stages(request, tmp_path_factory):
+    """ZeRO-3 (float32, bfloat16, two controls) and ZeRO-2 by hand, and the references, on N ranks."""
     out = tmp_path_factory.mktemp("zero3") / "results.pt"
     r = run_script(FSDP_HARNESS, request.param, SCRIPTS / "sharding_by_hand.py", out, timeout=180,
                    env=script_env(HARNESS_PORT=free_port()))
@@ -168,28 +169,28 @@ def zero3(request, tmp_path_factory):
     return request.param, torch.load(out)
 
 
-def test_zero3_by_hand_ends_with_one_process_weights(zero3):
-    _, got = zero3
+def test_zero3_by_hand_ends_with_one_process_weights(stages):
+    _, got = stages
     assert max_abs_diff(got["float32"]["weights"], got["one_float32"]) < 1e-5  # 8 steps: rounding only
     # the control: no reduce-scatter, each rank steps its rows with its own half of the batch
     assert max_abs_diff(got["no_reduce_scatter"]["weights"], got["one_float32"]) > 1e-3
 
 
-def test_zero3_computing_in_bfloat16_is_one_process_computing_in_bfloat16(zero3):
+def test_zero3_computing_in_bfloat16_is_one_process_computing_in_bfloat16(stages):
     """The shards stay float32; the layers compute in bfloat16, each rank on its part of the batch,
     and the gradients are averaged in float32. One process doing the same (a bfloat16 copy computes
     each part's gradients, averaged in float32, as gradient accumulation does) takes the same steps,
     but for the order of the sums: 0 on 2 ranks and 5.7e-5 on 3 here (a float32 difference of one
     unit in the last place can round a weight to another bfloat16 at the next step). The control,
     one process in float32, is 3.2e-2 away."""
-    _, got = zero3
+    _, got = stages
     bf16 = got["bfloat16"]["weights"]
     near, far = max_abs_diff(bf16, got["one_bfloat16_in_parts"]), max_abs_diff(bf16, got["one_float32"])
     assert near < BF16_TOLERANCE < far
 
 
-def test_zero3_holds_its_rows_and_one_layer_whole_at_a_time(zero3):
-    n, got = zero3
+def test_zero3_holds_its_rows_and_one_layer_whole_at_a_time(stages):
+    n, got = stages
     held = got["float32"]["held"]
     shapes = held[0]["shapes"]
     whole = {k: 4 * n * torch.Size(s).numel() for k, s in shapes.items()}  # bytes, float32, padded
@@ -206,11 +207,11 @@ def test_zero3_holds_its_rows_and_one_layer_whole_at_a_time(zero3):
     assert all(h["gathered_peak"] > layer for h in got["keeps_whole"]["held"])
 
 
-def test_zero3_counts_its_collectives_and_their_bytes(zero3):
+def test_zero3_counts_its_collectives_and_their_bytes(stages):
     """A step: forward gathers every parameter; backward gathers again what autograd saved, the
     weights of the layers whose input needs a gradient (not the first's); every gradient is
     reduce-scattered. Each collective's bytes from comm_bytes.bytes_sent, as lessons 10 and 13 say."""
-    n, got = zero3
+    n, got = stages
     shapes = got["float32"]["held"][0]["shapes"]
     whole = {k: 4 * n * torch.Size(s).numel() for k, s in shapes.items()}
     sent = got["float32"]["sent"]
@@ -224,11 +225,11 @@ def test_zero3_counts_its_collectives_and_their_bytes(zero3):
     assert total["gloo"] == pytest.approx((n - 1) / n * (3 * padded + again))
 
 
-def test_zero2_by_hand_ends_with_one_process_weights_holding_its_rows_gradients(zero3):
+def test_zero2_by_hand_ends_with_one_process_weights_holding_its_rows_gradients(stages):
     """ZeRO-2: the parameters whole on every rank (equal after each all-gather), the gradients and
     AdamW's state of its rows only; a step reduce-scatters every gradient and all-gathers every
     parameter: on NCCL the all-reduce's bytes, DDP's."""
-    n, got = zero3
+    n, got = stages
     assert max_abs_diff(got["zero2"]["weights"], got["one_float32"]) < 1e-5 and got["zero2"]["ranks_equal"]
     shapes = got["float32"]["held"][0]["shapes"]  # ZeRO-3's rows: the same dealing
     rows = sum(4 * torch.Size(s).numel() for s in shapes.values())
