@@ -2,6 +2,7 @@
 
     python mnist_model_parallel.py --mode tp --nprocs 2 --max-steps 50     # tensor parallelism
     python mnist_model_parallel.py --mode pp --nprocs 2 --microbatches 8   # pipeline parallelism
+    python mnist_model_parallel.py --mode pp --microbatches 8 --schedule 1f1b  # fewer activations kept
 
 Lesson 6's MLP (784 -> 2048 -> 2048 -> 10), trained by N processes that each hold a part of it,
 where DDP gives each a whole copy and a part of the batch. Every process here sees the whole global
@@ -26,7 +27,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -127,10 +128,14 @@ def train_pp(rank, world_size, args, model, images, labels):
     bounds = [0, *CUTS[:world_size - 1], len(model)]
     part = model[bounds[rank]:bounds[rank + 1]]
     stage = PipelineStage(part, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
-    # 2. GPipe: all micro-batches forward, then all backward. The loss function runs on the last
-    #    stage, on each micro-batch; the gradients are summed over the micro-batches and divided by
-    #    their number (scale_grads): the mean loss of the whole batch, as one process would have.
-    schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=F.cross_entropy)
+    # 2. GPipe: all micro-batches forward, then all backward. 1F1B: once the pipeline is full,
+    #    each stage alternates one forward and one backward, so that it holds the activations of
+    #    at most N - r micro-batches, not M. The loss function runs on the last stage, on each
+    #    micro-batch; the gradients are summed over the micro-batches and divided by their number
+    #    (scale_grads): the mean loss of the whole batch, as one process would have.
+    schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    schedule = schedule_class(stage, n_microbatches=args.microbatches, loss_fn=F.cross_entropy)
+    saved = SavedActivations(part.parameters())
     optimizer = torch.optim.SGD(part.parameters(), lr=args.lr, momentum=0.9)
     if rank == 0 and not args.quiet:
         print(f"{world_size} stages, layers {bounds}; {args.microbatches} micro-batches of "
@@ -144,18 +149,57 @@ def train_pp(rank, world_size, args, model, images, labels):
         #    2 x M x (N-1) point-to-point messages a step, no collective. Each micro-batch's backward
         #    also adds a whole weight gradient to .grad: tiny micro-batches cost more than they save.
         micro_losses = []
-        schedule.step(*([x] if stage.is_first else []), target=y if stage.is_last else None,
-                      losses=micro_losses)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):  # counts them
+            schedule.step(*([x] if stage.is_first else []), target=y if stage.is_last else None,
+                          losses=micro_losses)
         optimizer.step()  # 4. each stage steps its own layers: no collective
         if stage.is_last:
             losses.append(torch.stack(micro_losses).mean().item())  # equal micro-batches: the batch's mean
         seconds.append(time.perf_counter() - start)
-    # 5. Rank 0 collects the stages' weights (and the last stage's losses).
+    # 5. Rank 0 collects the stages' weights (and the last stage's losses, every stage's peak).
     parts = [None] * world_size if rank == 0 else None
-    dist.gather_object((part.state_dict(), losses), parts, dst=0)
+    dist.gather_object((part.state_dict(), losses, saved.peak), parts, dst=0)
     if rank != 0:
         return None, None, seconds
-    return {name: t for weights, _ in parts for name, t in weights.items()}, parts[-1][1], seconds
+    args.saved_peak_bytes = [peak for _, _, peak in parts]
+    return {name: t for weights, _, _ in parts for name, t in weights.items()}, parts[-1][1], seconds
+
+
+class SavedActivations:
+    """The activations that autograd keeps for backward, bytes alive at once, counted through
+    saved_tensors_hooks: each tensor saved counted once (a weight saved is not an activation)
+    until the last reference to it is dropped, after the backward that needed it."""
+
+    def __init__(self, parameters):
+        self.weights = {p.untyped_storage().data_ptr() for p in parameters}
+        self.alive, self.now, self.peak = {}, 0, 0  # (address, bytes) -> [bytes, references]
+
+    def pack(self, tensor):
+        if tensor.untyped_storage().data_ptr() in self.weights:
+            return tensor.detach()
+        key = (tensor.data_ptr(), tensor.nbytes)
+        if key not in self.alive:
+            self.alive[key] = [tensor.nbytes, 0]
+            self.now += self.alive[key][0]
+            self.peak = max(self.peak, self.now)
+        self.alive[key][1] += 1
+        return Saved(tensor.detach(), key, self)
+
+    def unpack(self, saved):
+        return saved.tensor if isinstance(saved, Saved) else saved
+
+    def dropped(self, key):
+        self.alive[key][1] -= 1
+        if not self.alive[key][1]:
+            self.now -= self.alive.pop(key)[0]
+
+
+class Saved:
+    def __init__(self, tensor, key, counter):
+        self.tensor, self.key, self.counter = tensor, key, counter
+
+    def __del__(self):
+        self.counter.dropped(self.key)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -193,7 +237,8 @@ def worker(rank, world_size, args):
             with open(args.metrics_json, "w") as f:
                 json.dump({"mode": args.mode, "world_size": world_size, "width": args.width,
                            "batch_size": args.batch_size, "microbatches": args.microbatches,
-                           "loss": losses, "seconds_per_step": seconds}, f, indent=2)
+                           "schedule": args.schedule, "loss": losses, "seconds_per_step": seconds,
+                           "saved_peak_bytes": getattr(args, "saved_peak_bytes", None)}, f, indent=2)
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
@@ -208,6 +253,8 @@ def parse_args(argv=None):
     p.add_argument("--nprocs", type=positive(int), default=2)
     p.add_argument("--width", type=positive(int), default=2048, help="the MLP's hidden width")
     p.add_argument("--microbatches", type=positive(int), default=4, help="(pp) per global batch")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe",
+                   help="(pp) all forwards then all backwards, or one forward one backward")
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
                    help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
     p.add_argument("--data-dir", type=str, default="data")
@@ -229,6 +276,9 @@ def parse_args(argv=None):
     if args.mode == "pp" and args.nprocs > len(CUTS) + 1:
         raise UsageError(f"--nprocs {args.nprocs}: the MLP has {len(CUTS) + 1} linear layers, so at "
                          f"most {len(CUTS) + 1} pipeline stages")
+    if args.mode == "pp" and args.schedule == "1f1b" and args.microbatches < args.nprocs:
+        raise UsageError(f"--schedule 1f1b needs at least as many micro-batches as stages: "
+                         f"--microbatches {args.microbatches} < --nprocs {args.nprocs}")
     if args.mode == "pp" and args.batch_size % args.microbatches:
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "
                          f"{args.batch_size}: every micro-batch must have the same size")

@@ -126,3 +126,26 @@ def test_pipeline_refuses_micro_batches_that_do_not_divide_the_batch(monkeypatch
 def test_pipeline_refuses_more_stages_than_the_mlp_has_layers(monkeypatch, capsys, data_args):
     message = refusal(monkeypatch, capsys, "--mode", "pp", "--nprocs", 4, *data_args)
     assert "--nprocs 4: the MLP has 3 linear layers, so at most 3 pipeline stages" in message
+
+
+def test_pipeline_refuses_1f1b_with_fewer_micro_batches_than_stages(monkeypatch, capsys, data_args):
+    message = refusal(monkeypatch, capsys, "--mode", "pp", "--nprocs", 3, "--microbatches", 2,
+                      "--schedule", "1f1b", *data_args)
+    assert "--schedule 1f1b needs at least as many micro-batches as stages" in message
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(tmp_path_factory, data_args):
+    return train(tmp_path_factory.mktemp("1f1b"), data_args, "pp", "--microbatches", "4",
+                 "--schedule", "1f1b")
+
+
+def test_1f1b_takes_gpipes_steps_and_holds_fewer_micro_batches(pipeline, one_f_one_b):
+    """The same micro-batches in another order: the same weights. What each stage keeps for backward
+    (counted through saved_tensors_hooks, weights left out): GPipe all M micro-batches' activations
+    at once; 1F1B on stage r at most N - r of them, here 2 on stage 0 and 1 on the last stage."""
+    assert max_abs_diff(pipeline[0], one_f_one_b[0]) == 0.0
+    gpipe, one_f = pipeline[1]["saved_peak_bytes"], one_f_one_b[1]["saved_peak_bytes"]
+    m, n = 4, 2
+    for r in range(n):
+        assert one_f[r] == pytest.approx(gpipe[r] * min(m, n - r) / m, rel=0.01), (r, gpipe, one_f)
