@@ -45,18 +45,23 @@ import sys
 
 
 def reap(signum, frame):
-    """SIGCHLD: record the exit code of every child that has ended."""
+    """SIGCHLD: record the exit code of every child that has ended, then reap it. In that order:
+    until its code is recorded, a child's poll() says it runs, and its pid (a zombie) must still
+    take a signal (torchrun's agent signals a rank's process group when poll() says it runs; its
+    own children stay zombies until it polls them, so a rank reaped first made killpg fail)."""
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # look, not reap
         except ChildProcessError:
             return
-        if pid == 0:
+        if info is None:
             return
-        path = os.path.join(STATUS, str(pid))
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        path = os.path.join(STATUS, str(info.si_pid))
         with open(path + ".part", "w") as f:
-            f.write(str(os.waitstatus_to_exitcode(status)))
+            f.write(str(code))
         os.replace(path + ".part", path)
+        os.waitpid(info.si_pid, 0)  # now reap it
 
 
 def run(request, stdio=()):
