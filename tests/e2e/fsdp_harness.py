@@ -5,30 +5,20 @@ scatters nothing (each rank steps its shard with its own gradient), one that kee
 parameters for backward. Layers of 47, 33 and 5 rows, which 2 and 3 ranks do not divide. Rank 0
 saves {case: results}."""
 import copy
-import importlib.util
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-STEPS, GLOBAL_BATCH = 8, 24  # 24 splits over 2 and 3 ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sharding_harness import STEPS, set_up, start  # noqa: E402  (the same set-up and batches)
 
 
 def net():
     return nn.Sequential(nn.Linear(20, 47), nn.ReLU(), nn.Linear(47, 33), nn.ReLU(), nn.Linear(33, 5))
-
-
-def load(script):
-    sys.path.insert(0, os.path.dirname(script))  # where the script finds the modules it imports
-    spec = importlib.util.spec_from_file_location("sharding_by_hand", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_process(by_hand, x, y, dtype, parts=1):
@@ -50,14 +40,7 @@ def one_process(by_hand, x, y, dtype, parts=1):
 
 
 def worker(rank, world_size, script, out):
-    by_hand = load(script)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)  # the same data on every rank
-    x = torch.randn(STEPS, GLOBAL_BATCH, 20, generator=generator)
-    y = torch.randint(0, 5, (STEPS, GLOBAL_BATCH), generator=generator)
-    per_rank = GLOBAL_BATCH // world_size
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)  # this rank's part of each global batch
+    by_hand, x, y, mine = set_up(rank, world_size, script)
 
     class NoReduceScatter(by_hand.ShardedLayer):  # control: each rank's own gradient, its rows
         def reduce_scatter(self, i, grad):
@@ -125,8 +108,4 @@ def worker(rank, world_size, script, out):
 
 
 if __name__ == "__main__":
-    world_size, script, out = int(sys.argv[1]), *sys.argv[2:]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = os.environ.get("HARNESS_PORT", "29513")
-    mp.start_processes(worker, args=(world_size, script, out), nprocs=world_size,
-                       start_method="fork")  # no thread has started here: fork is safe
+    start(worker, "29513")

@@ -48,7 +48,9 @@ def weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def worker(rank, world_size, script, out):
+def set_up(rank, world_size, script):
+    """This rank joins the group, on one thread: (the script as a module, STEPS global batches of
+    20 features and 5 classes, the same on every rank, and this rank's slice of each)."""
     by_hand = load(script)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -56,7 +58,20 @@ def worker(rank, world_size, script, out):
     x = torch.randn(STEPS, GLOBAL_BATCH, 20, generator=generator)
     y = torch.randint(0, 5, (STEPS, GLOBAL_BATCH), generator=generator)
     per_rank = GLOBAL_BATCH // world_size
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)  # this rank's part of each global batch
+    return by_hand, x, y, slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def start(worker, default_port):
+    """Run worker(rank, world_size, script, out) on the ranks the command line asks for."""
+    world_size, script, out = int(sys.argv[1]), *sys.argv[2:]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = os.environ.get("HARNESS_PORT", default_port)
+    mp.start_processes(worker, args=(world_size, script, out), nprocs=world_size,
+                       start_method="fork")  # no thread has started here: fork is safe
+
+
+def worker(rank, world_size, script, out):
+    by_hand, x, y, mine = set_up(rank, world_size, script)
 
     class NoBroadcast(by_hand.ShardedOptimizer):  # the control: each rank updates its share only
         @torch.no_grad()
@@ -114,8 +129,4 @@ def worker(rank, world_size, script, out):
 
 
 if __name__ == "__main__":
-    world_size, script, out = int(sys.argv[1]), *sys.argv[2:]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = os.environ.get("HARNESS_PORT", "29512")
-    mp.start_processes(worker, args=(world_size, script, out), nprocs=world_size,
-                       start_method="fork")  # no thread has started here: fork is safe
+    start(worker, "29512")
