@@ -381,10 +381,11 @@ def worker(rank, world_size, args):
         seconds.append(time.perf_counter() - start)
         written = bytes_written() - written if written is not None else None  # the last step's is kept
         steps += 1
-    rows = getattr(optimizer, "rows", {})  # zero2: this rank's rows, whose gradients it keeps
+    rows = getattr(optimizer, "rows", {})  # zero2: a copy of this rank's rows, stepped, and their gradients
     grads = [t.grad for t in [*model.parameters(), *rows.values()] if t.grad is not None]
     held = {"optimizer_state_bytes": optimizer_state_bytes(optimizer),  # each rank's, from its tensors
-            "parameter_bytes": sum(p.nbytes for p in model.parameters()), "written_bytes_per_step": written,
+            "parameter_bytes": sum(p.nbytes for p in [*model.parameters(), *rows.values()]),
+            "written_bytes_per_step": written,
             "gradient_bytes": sum(g.nbytes for g in grads),
             "gathered_peak_bytes": MEMORY.peak_gathered, "gradient_peak_bytes": MEMORY.peak_gradient}
     every = [None] * world_size
