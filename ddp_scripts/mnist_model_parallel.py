@@ -3,6 +3,7 @@
     python mnist_model_parallel.py --mode tp --nprocs 2 --max-steps 50     # tensor parallelism
     python mnist_model_parallel.py --mode pp --nprocs 2 --microbatches 8   # pipeline parallelism
     python mnist_model_parallel.py --mode pp --microbatches 8 --schedule 1f1b  # fewer activations kept
+    python mnist_model_parallel.py --mode pp --microbatches 8 --schedule 1f1b-by-hand  # 1F1B written out
 
 Lesson 6's MLP (784 -> 2048 -> 2048 -> 10), trained by N processes that each hold a part of it,
 where DDP gives each a whole copy and a part of the batch. Every process here sees the whole global
@@ -11,6 +12,7 @@ batch, and the weights end where one process's would on the same batches.
   --mode pp  gives each process a few whole layers (a stage) and passes activations along, one
              micro-batch after another, so that the stages work at the same time. Try --microbatches
              1, 2, 4, 8: the idle share (the bubble) shrinks, but each micro-batch has its own costs.
+             --metrics-json keeps when each stage ran each micro-batch's forward and backward.
 A teaching script, Gloo on CPU: it reads the data that mnist_single.py (or any lesson script) has
 prepared, and it has none of the hardening of mnist_ddp_cpu.py.
 """
@@ -18,7 +20,7 @@ import json
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -127,42 +129,141 @@ def train_pp(rank, world_size, args, model, images, labels):
     #    The stages are unequal (784 x W weights against W x W): the larger one sets the pace.
     bounds = [0, *CUTS[:world_size - 1], len(model)]
     part = model[bounds[rank]:bounds[rank + 1]]
-    stage = PipelineStage(part, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
-    # 2. GPipe: all micro-batches forward, then all backward. 1F1B: once the pipeline is full,
-    #    each stage alternates one forward and one backward, so that it holds the activations of
-    #    at most N - r micro-batches, not M. The loss function runs on the last stage, on each
-    #    micro-batch; the gradients are summed over the micro-batches and divided by their number
-    #    (scale_grads): the mean loss of the whole batch, as one process would have.
-    schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
-    schedule = schedule_class(stage, n_microbatches=args.microbatches, loss_fn=F.cross_entropy)
+    timeline = Timeline()  # when this stage ran each micro-batch's forward and backward
+    if args.schedule == "1f1b-by-hand":
+        def run_step(x, y, micro_losses):
+            one_f_one_b_by_hand(part, rank, world_size, args, x, y, micro_losses, timeline)
+    else:
+        stage = PipelineStage(part, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
+        # 2. GPipe: all micro-batches forward, then all backward. 1F1B: once the pipeline is full,
+        #    each stage alternates one forward and one backward, so that it holds the activations of
+        #    at most N - r micro-batches, not M. The loss function runs on the last stage, on each
+        #    micro-batch; the gradients are summed over the micro-batches and divided by their number
+        #    (scale_grads): the mean loss of the whole batch, as one process would have.
+        schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+        schedule = schedule_class(stage, n_microbatches=args.microbatches, loss_fn=F.cross_entropy)
+        stage.forward_one_chunk = timeline.timed("F", stage.forward_one_chunk)  # the schedule calls these
+        stage.backward_one_chunk = timeline.timed("B", stage.backward_one_chunk)  # for each micro-batch
+
+        def run_step(x, y, micro_losses):
+            # 3. Stage 0 feeds the images, the last stage the labels. Forward, stage r sends each
+            #    micro-batch's activation (B/M x W) to stage r+1; backward, its gradient back to stage
+            #    r: 2 x M x (N-1) point-to-point messages a step, no collective. Each micro-batch's
+            #    backward also adds a whole weight gradient to .grad: tiny micro-batches cost more
+            #    than they save.
+            schedule.step(*([x] if rank == 0 else []), target=y if rank == world_size - 1 else None,
+                          losses=micro_losses)
     saved = SavedActivations(part.parameters())
     optimizer = torch.optim.SGD(part.parameters(), lr=args.lr, momentum=0.9)
     if rank == 0 and not args.quiet:
         print(f"{world_size} stages, layers {bounds}; {args.microbatches} micro-batches of "
-              f"{args.batch_size // args.microbatches}", flush=True)
+              f"{args.batch_size // args.microbatches}, schedule {args.schedule}", flush=True)
     losses, seconds = [], []
     for x, y in global_batches(images, labels, args):
         start = time.perf_counter()
+        timeline.steps.append([])
         optimizer.zero_grad()
-        # 3. Stage 0 feeds the images, the last stage the labels. Forward, stage r sends each
-        #    micro-batch's activation (B/M x W) to stage r+1; backward, its gradient back to stage r:
-        #    2 x M x (N-1) point-to-point messages a step, no collective. Each micro-batch's backward
-        #    also adds a whole weight gradient to .grad: tiny micro-batches cost more than they save.
         micro_losses = []
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):  # counts them
-            schedule.step(*([x] if stage.is_first else []), target=y if stage.is_last else None,
-                          losses=micro_losses)
+            run_step(x, y, micro_losses)
         optimizer.step()  # 4. each stage steps its own layers: no collective
-        if stage.is_last:
+        if rank == world_size - 1:
             losses.append(torch.stack(micro_losses).mean().item())  # equal micro-batches: the batch's mean
         seconds.append(time.perf_counter() - start)
-    # 5. Rank 0 collects the stages' weights (and the last stage's losses, every stage's peak).
+    # 5. Rank 0 collects the stages' weights (and the last stage's losses, every stage's peak and timeline).
     parts = [None] * world_size if rank == 0 else None
-    dist.gather_object((part.state_dict(), losses, saved.peak), parts, dst=0)
+    dist.gather_object((part.state_dict(), losses, saved.peak, timeline.steps), parts, dst=0)
     if rank != 0:
         return None, None, seconds
-    args.saved_peak_bytes = [peak for _, _, peak in parts]
-    return {name: t for weights, _, _ in parts for name, t in weights.items()}, parts[-1][1], seconds
+    args.saved_peak_bytes = [peak for _, _, peak, _ in parts]
+    args.timeline = [steps for _, _, _, steps in parts]
+    return {name: t for weights, _, _, _ in parts for name, t in weights.items()}, parts[-1][1], seconds
+
+
+def one_f_one_b_by_hand(part, rank, world_size, args, x, y, micro_losses, timeline):
+    """One step of 1F1B with plain sends and receives, in Schedule1F1B's order: stage r runs
+    min(M, N - r) forwards (the warm-up), then one backward and one forward in turn, then the
+    backwards left. Receives wait; sends go out at once (isend) and are waited for at the end, so
+    that two neighbours that both send never wait on each other."""
+    m, first, last = args.microbatches, rank == 0, rank == world_size - 1
+    inputs, targets = x.chunk(m), y.chunk(m)
+    kept, sending = {}, []  # per micro-batch: its input and output, kept for its backward; sends in flight
+
+    def forward(i):
+        if first:
+            inp = inputs[i]
+        else:  # every cut carries B/M x W activations
+            inp = torch.empty(len(inputs[i]), args.width)
+            dist.recv(inp, src=rank - 1)
+            inp.requires_grad_()  # so that backward gives the gradient to send back
+        with timeline.timing("F", i):
+            out = part(inp)
+        if last:
+            out = F.cross_entropy(out, targets[i])  # this micro-batch's mean loss
+            micro_losses.append(out.detach())
+        else:
+            sending.append((dist.isend(out.detach(), dst=rank + 1), out))
+        kept[i] = inp, out
+
+    def backward(i):
+        inp, out = kept.pop(i)  # dropping them frees the activations autograd kept
+        grad = None
+        if not last:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=rank + 1)
+        with timeline.timing("B", i):
+            out.backward(grad)  # adds this micro-batch's share to each weight's .grad
+        if not first:
+            sending.append((dist.isend(inp.grad, dst=rank - 1), inp.grad))
+
+    warm_up = min(m, world_size - rank)
+    for i in range(warm_up):
+        forward(i)
+    for i in range(m - warm_up):
+        backward(i)
+        forward(warm_up + i)
+    for i in range(m - warm_up, m):
+        backward(i)
+    for work, _ in sending:
+        work.wait()
+    for p in part.parameters():  # the sum over micro-batches of their mean losses' gradients / M
+        p.grad.div_(m)
+
+
+def idle_shares(timeline):
+    """Stage by stage, the share of a step spent in neither a forward nor a backward (the bubble, and
+    the sends and receives): a step from the first forward on any stage to the last backward on any
+    stage; the median over the steps, the first left out."""
+    shares = [[] for _ in timeline]
+    steps = range(1 if len(timeline[0]) > 1 else 0, len(timeline[0]))
+    for step in steps:
+        events = [timeline[r][step] for r in range(len(timeline))]
+        times = [t for stage in events for _, _, start, end in stage for t in (start, end)]
+        span = max(times) - min(times)
+        for r, stage in enumerate(events):
+            shares[r].append(1 - sum(e - b for _, _, b, e in stage) / span)
+    return [torch.tensor(s).median().item() for s in shares]
+
+
+class Timeline:
+    """When this stage ran each micro-batch's forward ("F") and backward ("B"), step by step:
+    (kind, micro-batch, start, end) in seconds of time.perf_counter(), a clock that all processes
+    on one machine share (across machines the clocks would need aligning)."""
+
+    def __init__(self):
+        self.steps = []
+
+    @contextmanager
+    def timing(self, kind, microbatch):
+        start = time.perf_counter()
+        yield
+        self.steps[-1].append((kind, microbatch, start, time.perf_counter()))
+
+    def timed(self, kind, method):  # a method whose first argument is the micro-batch
+        def run(microbatch, *args, **kwargs):
+            with self.timing(kind, microbatch):
+                return method(microbatch, *args, **kwargs)
+        return run
 
 
 class SavedActivations:
@@ -226,7 +327,8 @@ def worker(rank, world_size, args):
         extra = ""
         if args.mode == "pp":  # GPipe idles each stage for N-1 of the M+N-1 slots of a step
             bubble = (world_size - 1) / (args.microbatches + world_size - 1)
-            extra = f", {args.microbatches} micro-batches, bubble (N-1)/(M+N-1) = {bubble:.0%}"
+            extra = (f", {args.microbatches} micro-batches, bubble (N-1)/(M+N-1) = {bubble:.0%}, "
+                     f"measured idle {', '.join(f'{share:.0%}' for share in idle_shares(args.timeline))}")
         print(f"done: mlp (width {args.width}) on {args.dataset}, {how} over {world_size} processes"
               f"{extra}, {len(losses)} steps, {per_step * 1000:.1f} ms a step (median), final loss "
               f"{losses[-1] if losses else float('nan'):.4f}, test accuracy {correct / len(test_labels):.2%}",
@@ -238,7 +340,9 @@ def worker(rank, world_size, args):
                 json.dump({"mode": args.mode, "world_size": world_size, "width": args.width,
                            "batch_size": args.batch_size, "microbatches": args.microbatches,
                            "schedule": args.schedule, "loss": losses, "seconds_per_step": seconds,
-                           "saved_peak_bytes": getattr(args, "saved_peak_bytes", None)}, f, indent=2)
+                           "saved_peak_bytes": getattr(args, "saved_peak_bytes", None),
+                           "timeline": getattr(args, "timeline", None),
+                           "idle_shares": idle_shares(args.timeline) if args.mode == "pp" else None}, f)
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
@@ -253,8 +357,9 @@ def parse_args(argv=None):
     p.add_argument("--nprocs", type=positive(int), default=2)
     p.add_argument("--width", type=positive(int), default=2048, help="the MLP's hidden width")
     p.add_argument("--microbatches", type=positive(int), default=4, help="(pp) per global batch")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe",
-                   help="(pp) all forwards then all backwards, or one forward one backward")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "1f1b-by-hand"], default="gpipe",
+                   help="(pp) all forwards then all backwards, or one forward one backward "
+                        "(torch's Schedule1F1B, or written out in this script)")
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
                    help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
     p.add_argument("--data-dir", type=str, default="data")
@@ -276,8 +381,8 @@ def parse_args(argv=None):
     if args.mode == "pp" and args.nprocs > len(CUTS) + 1:
         raise UsageError(f"--nprocs {args.nprocs}: the MLP has {len(CUTS) + 1} linear layers, so at "
                          f"most {len(CUTS) + 1} pipeline stages")
-    if args.mode == "pp" and args.schedule == "1f1b" and args.microbatches < args.nprocs:
-        raise UsageError(f"--schedule 1f1b needs at least as many micro-batches as stages: "
+    if args.mode == "pp" and args.schedule != "gpipe" and args.microbatches < args.nprocs:
+        raise UsageError(f"--schedule {args.schedule} needs at least as many micro-batches as stages: "
                          f"--microbatches {args.microbatches} < --nprocs {args.nprocs}")
     if args.mode == "pp" and args.batch_size % args.microbatches:
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "

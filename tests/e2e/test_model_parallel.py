@@ -128,10 +128,11 @@ def test_pipeline_refuses_more_stages_than_the_mlp_has_layers(monkeypatch, capsy
     assert "--nprocs 4: the MLP has 3 linear layers, so at most 3 pipeline stages" in message
 
 
-def test_pipeline_refuses_1f1b_with_fewer_micro_batches_than_stages(monkeypatch, capsys, data_args):
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-by-hand"])
+def test_pipeline_refuses_1f1b_with_fewer_micro_batches_than_stages(monkeypatch, capsys, data_args, schedule):
     message = refusal(monkeypatch, capsys, "--mode", "pp", "--nprocs", 3, "--microbatches", 2,
-                      "--schedule", "1f1b", *data_args)
-    assert "--schedule 1f1b needs at least as many micro-batches as stages" in message
+                      "--schedule", schedule, *data_args)
+    assert f"--schedule {schedule} needs at least as many micro-batches as stages" in message
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +150,71 @@ def test_1f1b_takes_gpipes_steps_and_holds_fewer_micro_batches(pipeline, one_f_o
     m, n = 4, 2
     for r in range(n):
         assert one_f[r] == pytest.approx(gpipe[r] * min(m, n - r) / m, rel=0.01), (r, gpipe, one_f)
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b_by_hand(tmp_path_factory, data_args):
+    return train(tmp_path_factory.mktemp("1f1b_by_hand"), data_args, "pp", "--microbatches", "4",
+                 "--schedule", "1f1b-by-hand")
+
+
+def test_1f1b_by_hand_takes_torchs_1f1b_steps_and_keeps_what_it_keeps(one_f_one_b, one_f_one_b_by_hand,
+                                                                       reference):
+    """The script's own 1F1B (sends and receives written out) against torch's Schedule1F1B: the same
+    weights bit for bit (the same micro-batches, summed in the same order, then divided by M) and the
+    same activations kept at each stage's peak; and one process's weights, with the control."""
+    weights, metrics, _ = one_f_one_b_by_hand
+    check_matches_one_process(weights, metrics, reference)
+    assert max_abs_diff(one_f_one_b[0], weights) == 0.0
+    assert metrics["saved_peak_bytes"] == one_f_one_b[1]["saved_peak_bytes"]
+
+
+def schedule_order(schedule, rank, n, m):
+    """The order stage `rank` of `n` runs its forwards and backwards of `m` micro-batches."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm_up = min(m, n - rank)
+    order = [("F", i) for i in range(warm_up)]
+    for i in range(m - warm_up):
+        order += [("B", i), ("F", warm_up + i)]
+    return order + [("B", i) for i in range(m - warm_up, m)]
+
+
+@pytest.mark.parametrize("run", ["pipeline", "one_f_one_b", "one_f_one_b_by_hand"])
+def test_pipeline_timeline_is_each_schedules_order_and_respects_the_messages(run, request):
+    """The timestamps each stage records (--metrics-json "timeline", what lesson 11's figure draws)
+    are those of the schedule: each step, stage r ran its forwards and backwards in the schedule's
+    order, none overlapping; micro-batch i's forward on stage r+1 began after it ended on stage r,
+    and its backward on stage r after it ended on stage r+1 (one clock for the processes of a machine)."""
+    metrics = request.getfixturevalue(run)[1]
+    schedule, timeline, m = metrics["schedule"], metrics["timeline"], metrics["microbatches"]
+    n = len(timeline)
+    assert n == 2 and all(len(stage) == STEPS for stage in timeline)
+    for step in range(STEPS):
+        events = [{(kind, i): (start, end) for kind, i, start, end in stage[step]} for stage in timeline]
+        for r, stage in enumerate(timeline):
+            order = schedule_order(schedule.split("-")[0], r, n, m)  # 1f1b-by-hand: 1F1B's order
+            assert [(kind, i) for kind, i, _, _ in stage[step]] == order
+            times = [t for _, _, start, end in stage[step] for t in (start, end)]
+            assert times == sorted(times)
+        for r in range(n - 1):
+            for i in range(m):
+                assert events[r + 1][("F", i)][0] > events[r][("F", i)][1]
+                assert events[r][("B", i)][0] > events[r + 1][("B", i)][1]
+    assert len(metrics["idle_shares"]) == n and all(0 < share < 1 for share in metrics["idle_shares"])
+
+
+@pytest.mark.parametrize("n,m", [(2, 1), (2, 4), (3, 4), (4, 8)])
+def test_idle_shares_of_an_ideal_gpipe_step_are_the_bubble(n, m):
+    """On a made-up timeline where every forward and backward takes one slot and nothing else takes
+    time, GPipe's stages idle (N-1)/(M+N-1) of each step; a slot's work lengthened on one stage (or a
+    gap) shows: the idle shares are measured, not the formula."""
+    idle_shares = load_script("mnist_model_parallel").idle_shares
+    backward = [m + 2 * (n - 1) - r for r in range(n)]  # the slot of stage r's first backward
+    step = [[("F", i, r + i, r + i + 1) for i in range(m)] +
+            [("B", i, backward[r] + i, backward[r] + i + 1) for i in range(m)] for r in range(n)]
+    timeline = [[stage, stage] for stage in step]  # two steps: the first is left out
+    assert idle_shares(timeline) == pytest.approx([(n - 1) / (m + n - 1)] * n)
+    late = [[stage, [(k, i, b + 1, e + 1) if (k, i) == ("B", m - 1) and r == 0 else (k, i, b, e)
+                     for k, i, b, e in stage]] for r, stage in enumerate(step)]
+    assert idle_shares(late)[1] > (n - 1) / (m + n - 1)
