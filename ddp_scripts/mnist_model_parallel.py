@@ -183,11 +183,13 @@ def train_pp(rank, world_size, args, model, images, labels):
 def one_f_one_b_by_hand(part, rank, world_size, args, x, y, micro_losses, timeline):
     """One step of 1F1B with plain sends and receives, in Schedule1F1B's order: stage r runs
     min(M, N - r) forwards (the warm-up), then one backward and one forward in turn, then the
-    backwards left. Receives wait; sends go out at once (isend) and are waited for at the end, so
-    that two neighbours that both send never wait on each other."""
+    backwards left. Receives wait; sends are posted (isend) and waited for later, so that two
+    neighbours that both send never wait on each other: an activation's send once its gradient has
+    come back, a gradient's before the next gradient goes."""
     m, first, last = args.microbatches, rank == 0, rank == world_size - 1
     inputs, targets = x.chunk(m), y.chunk(m)
-    kept, sending = {}, []  # per micro-batch: its input and output, kept for its backward; sends in flight
+    kept, sent = {}, {}  # per micro-batch: its input and output, for its backward; its activation's send
+    gradient_sent = []  # the last gradient sent back
 
     def forward(i):
         if first:
@@ -202,7 +204,7 @@ def one_f_one_b_by_hand(part, rank, world_size, args, x, y, micro_losses, timeli
             out = F.cross_entropy(out, targets[i])  # this micro-batch's mean loss
             micro_losses.append(out.detach())
         else:
-            sending.append((dist.isend(out.detach(), dst=rank + 1), out))
+            sent[i] = dist.isend(out.detach(), dst=rank + 1)
         kept[i] = inp, out
 
     def backward(i):
@@ -211,10 +213,13 @@ def one_f_one_b_by_hand(part, rank, world_size, args, x, y, micro_losses, timeli
         if not last:
             grad = torch.empty_like(out)
             dist.recv(grad, src=rank + 1)
+            sent.pop(i).wait()  # its gradient is back: the activation has arrived
         with timeline.timing("B", i):
             out.backward(grad)  # adds this micro-batch's share to each weight's .grad
         if not first:
-            sending.append((dist.isend(inp.grad, dst=rank - 1), inp.grad))
+            if gradient_sent:
+                gradient_sent.pop().wait()
+            gradient_sent.append(dist.isend(inp.grad, dst=rank - 1))
 
     warm_up = min(m, world_size - rank)
     for i in range(warm_up):
@@ -224,7 +229,7 @@ def one_f_one_b_by_hand(part, rank, world_size, args, x, y, micro_losses, timeli
         forward(warm_up + i)
     for i in range(m - warm_up, m):
         backward(i)
-    for work, _ in sending:
+    for work in gradient_sent:
         work.wait()
     for p in part.parameters():  # the sum over micro-batches of their mean losses' gradients / M
         p.grad.div_(m)

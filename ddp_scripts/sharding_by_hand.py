@@ -6,6 +6,7 @@
     python sharding_by_hand.py --nprocs 2 --shard zero2 --max-steps 20 --save zero2.pt   # and the gradients
     python sharding_by_hand.py --nprocs 2 --shard zero3 --max-steps 20 --save zero3.pt   # FSDP by hand
     python sharding_by_hand.py --nprocs 2 --shard zero3 --compute-dtype bfloat16 --max-steps 20
+    python sharding_by_hand.py --nprocs 2 --shard fsdp --max-steps 20   # torch's fully_shard, to compare
 
 Under DDP every rank keeps the optimizer's state for every parameter: AdamW's two running averages
 are twice the model, on every rank. ShardedOptimizer (below) deals the parameters out to the ranks,
@@ -23,6 +24,9 @@ backward needs it, and reduce-scatters the gradients: each rank steps its own ro
 bytes of its collectives (comm_bytes.py) and of the whole tensors alive at once. --shard zero2
 (ShardedGradients) keeps the parameters whole and reduce-scatters the gradients: each rank keeps
 its rows' gradients and optimizer state, steps them, and all-gathers the updated rows.
+--shard fsdp runs torch's fully_shard on each layer instead (ZeRO-3); --shard fsdp-no-reshard with
+reshard_after_forward=False, which keeps each layer whole from its forward to its backward (no
+second gather): ZeRO-2's bytes, ZeRO-3's memory between steps.
 A teaching script: it reads the data that mnist_single.py (or any lesson script) has prepared, and
 it has none of the hardening of mnist_fsdp.py, which is the one to copy.
 """
@@ -39,7 +43,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
@@ -313,7 +320,7 @@ def parameter_groups(model, weight_decay):
 
 
 def make_optimizer(model, args):
-    """--shard none, zero3: the whole optimizer on what this rank holds; zero1, zero2: by hand; torch:
+    """--shard none, zero3, fsdp: the whole optimizer on what this rank holds; zero1, zero2: by hand; torch:
     ZeroRedundancyOptimizer."""
     optimizer_class, options = OPTIMIZERS[args.optimizer]
     groups = parameter_groups(model, args.weight_decay)
@@ -332,7 +339,13 @@ def optimizer_state_bytes(optimizer):
         optimizer = optimizer.optimizer  # the optimizer of this rank's share
     elif isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim  # likewise, in torch's
-    return sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    return sum(local(t).nbytes for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t))
+
+
+def local(t):
+    """What this rank stores of a tensor: its shard, for fully_shard's DTensors."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
@@ -360,6 +373,10 @@ def worker(rank, world_size, args):
         model = shard_model(build_model(args.model), COMPUTE_DTYPES[args.compute_dtype])
     elif args.shard == "zero2":  # no DDP: ShardedGradients reduce-scatters the gradients
         model = build_model(args.model)
+    elif args.shard.startswith("fsdp"):  # torch's fully_shard, a unit per layer as in mnist_fsdp.py
+        model, mesh = build_model(args.model), init_device_mesh("cpu", (world_size,))
+        for module in [*(m for m in model.modules() if isinstance(m, nn.Linear)), model]:
+            fully_shard(module, mesh=mesh, reshard_after_forward=args.shard == "fsdp")
     else:
         model = DDP(build_model(args.model))  # the gradients averaged as in lesson 3
     optimizer = make_optimizer(model, args)
@@ -377,21 +394,23 @@ def worker(rank, world_size, args):
             getattr(counted, "sent", []).clear()  # what the last step exchanged is kept
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(images[index]).float(), labels[index]).backward()  # averaged gradients
-        optimizer.step()  # none, zero3: every parameter this rank holds; zero1, torch: its share, broadcast
+        optimizer.step()  # none, zero3, fsdp: all this rank holds; zero1, torch: its share, broadcast
         seconds.append(time.perf_counter() - start)
         written = bytes_written() - written if written is not None else None  # the last step's is kept
         steps += 1
     rows = getattr(optimizer, "rows", {})  # zero2: a copy of this rank's rows, stepped, and their gradients
-    grads = [t.grad for t in [*model.parameters(), *rows.values()] if t.grad is not None]
+    grads = [local(t.grad) for t in [*model.parameters(), *rows.values()] if t.grad is not None]
     held = {"optimizer_state_bytes": optimizer_state_bytes(optimizer),  # each rank's, from its tensors
-            "parameter_bytes": sum(p.nbytes for p in [*model.parameters(), *rows.values()]),
+            "parameter_bytes": sum(local(p).nbytes for p in [*model.parameters(), *rows.values()]),
             "written_bytes_per_step": written,
             "gradient_bytes": sum(g.nbytes for g in grads),
             "gathered_peak_bytes": MEMORY.peak_gathered, "gradient_peak_bytes": MEMORY.peak_gradient}
     every = [None] * world_size
     dist.all_gather_object(every, held)
     plain = build_model(args.model)  # the model whole, in float32, for scoring and saving
-    plain.load_state_dict(full_state_dict(model) if layers else getattr(model, "module", model).state_dict())
+    plain.load_state_dict(full_state_dict(model) if layers else  # fsdp: each DTensor gathered whole
+                          {k: t.full_tensor() if isinstance(t, DTensor) else t
+                           for k, t in getattr(model, "module", model).state_dict().items()})
 
     if rank == 0:
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
@@ -427,10 +446,12 @@ def worker(rank, world_size, args):
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--shard", choices=["none", "zero1", "torch", "zero2", "zero3"], default="zero1",
+    p.add_argument("--shard", choices=["none", "zero1", "torch", "zero2", "zero3", "fsdp", "fsdp-no-reshard"],
+                   default="zero1",
                    help="none: DDP with the whole optimizer on every rank; zero1: ShardedOptimizer; "
                         "torch: ZeroRedundancyOptimizer; zero2: ShardedGradients; zero3: ShardedLayer "
-                        "(FSDP by hand)")
+                        "(FSDP by hand); fsdp: torch's fully_shard; fsdp-no-reshard: with "
+                        "reshard_after_forward=False")
     p.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
                    help="zero3: gather the parameters and compute in this dtype (the shards stay float32)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
