@@ -7,8 +7,10 @@ measured), Gloo on CPU with one thread per rank, or NCCL with --gpu. Each config
 AdamW's state, counted from its local shards: state_mib_per_rank, the largest rank), its peak
 memory (CPU: the process's peak resident set, torch and the data included; GPU: what torch
 allocated), the time per step (the training epoch's seconds / steps, the first step's set-up
-included), each as a ratio to DDP on as many ranks. Writes build/bench/fsdp.json and
-figures/fsdp_memory.png.
+included), each as a ratio to DDP on as many ranks. Then, on CPU, the state each rank of
+sharding_by_hand.py holds (--shard zero1, zero2, zero3 on 2 and 3 ranks, 2 steps; counted from its
+tensors: one run each). Writes docs/measured/fsdp.json (committed: lesson 13's planner is checked
+against it) and figures/fsdp_memory.png.
 
     python tools/bench/bench_fsdp.py [--steps 30] [--repeats 3] [--gpu]
 """
@@ -27,6 +29,7 @@ sys.path.insert(0, str(REPO / "notebooks"))
 from course_helpers import small_copy  # noqa: E402
 
 MODES = ["ddp", "zero", "fsdp"]
+BY_HAND = ["zero1", "zero2", "zero3"]  # sharding_by_hand.py's stages
 GLOBAL_BATCH = 60  # splits over 1, 2 and 3 ranks
 
 
@@ -70,13 +73,32 @@ def plot(rows, machine, date, out):
     plt.close(fig)
 
 
+def state_by_hand(dataset, data_dir):
+    """What each rank of sharding_by_hand.py holds after 2 steps: parameters (zero2: with the rows
+    its optimizer steps), gradients and optimizer state, in bytes, counted from its tensors."""
+    rows = []
+    for n in (2, 3):
+        for shard in BY_HAND:
+            m = run_metrics("sharding_by_hand.py", ["--shard", shard, "--nprocs", str(n)],
+                            ["--global-batch-size", str(GLOBAL_BATCH), "--max-steps", "2", "--quiet",
+                             "--dataset", dataset, "--data-dir", str(data_dir)])
+            state = [sum(kinds) for kinds in zip(m["parameter_bytes"], m["gradient_bytes"],
+                                                 m["optimizer_state_bytes"])]
+            rows.append({"shard": shard, "ranks": n, "state_bytes_per_rank": state,
+                         "parameter_bytes": m["parameter_bytes"], "gradient_bytes": m["gradient_bytes"],
+                         "optimizer_state_bytes": m["optimizer_state_bytes"]})
+            print(f"  by hand  {shard:<5} {n} ranks  state {[round(b / 2**20, 2) for b in state]} MiB",
+                  flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu", action="store_true", help="NCCL on 1 to 3 GPUs instead of Gloo on CPU")
     parser.add_argument("--figure", type=Path, default=REPO / "figures" / "fsdp_memory.png")
-    parser.add_argument("--json", type=Path, default=REPO / "build" / "bench" / "fsdp.json")
+    parser.add_argument("--json", type=Path, default=REPO / "docs" / "measured" / "fsdp.json")
     parser.add_argument("--plot-only", action="store_true", help="redraw the figure from --json")
     args = parser.parse_args()
     if args.plot_only:
@@ -132,10 +154,11 @@ def main():
               f"{r['peak_mib']:>9.1f} {ratio['peak_mib']:>5.2f}x {r['ms_per_step']:>8.1f} "
               f"{ratio['ms_per_step']:>5.2f}x   {min(times):.1f} to {max(times):.1f}")
 
+    by_hand = [] if args.gpu else state_by_hand(dataset, data_dir)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine, "date": date, "dataset": dataset,
-                                     "steps": args.steps, "global_batch": GLOBAL_BATCH, "rows": rows},
-                                    indent=2))
+                                     "steps": args.steps, "global_batch": GLOBAL_BATCH, "rows": rows,
+                                     "by_hand": by_hand}, indent=2))
     plot(rows, machine, date, args.figure)
     print(f"\nwrote {args.json} and {args.figure}")
 
