@@ -25,10 +25,17 @@ The arithmetic, each piece a function below, each checked in tests/unit/test_pla
                          slower link the group crosses
   compute                6 flops per parameter and token (forward 2, backward 4), + attention's
                          12 L s h per token; 8 with recomputation; pipeline: x (m + p - 1) / m
+  pipeline               pipeline_step_s: m + p - 1 slots, each a micro-batch's work on a stage and its
+                         messages; the bubble (p - 1) / (m + p - 1)
 No overlap of communication with computation is assumed: the step is their sum, an upper bound
-(DDP and FSDP overlap much of it). Layout: tensor parallelism innermost, within a node; then
+(DDP and FSDP overlap much of it). Mixed precision is counted as DeepSpeed and Megatron keep it (bf16
+parameters and gradients, the fp32 master copy in the optimizer's state); torch's autocast under DDP
+keeps fp32 parameters and gradients: plan it as --precision fp32 for memory. DDP accumulates with
+no_sync() (one all-reduce a step); fully_shard reduce-scatters every micro-batch, and gathers each
+layer while prefetching the next. Layout: tensor parallelism innermost, within a node; then
 pipeline stages; then data parallelism across what is left.
 """
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -188,8 +195,11 @@ class Plan:
     tp: int = 1
     pp: int = 1
     memory: dict = field(default_factory=dict)  # kind -> bytes on the fullest GPU
-    comm: list = field(default_factory=list)  # (what, collective, bytes, group size, link, times a step)
-    compute_s: float = 0.0
+    # (what, collective, bytes, group size, link, times a step, calls each time: each pays the latency)
+    comm: list = field(default_factory=list)
+    micro_batches: int = 1  # per GPU per step
+    message_s: float = 0.0  # a pipeline's point-to-point message: an activation on, or a gradient back
+    compute_s: float = 0.0  # per GPU, its micro-batches' forwards and backwards
     bubble: float = 0.0
     fits: bool = False
     problem: str = ""  # why it cannot run, if it cannot
@@ -199,26 +209,43 @@ class Plan:
         return sum(self.memory.values())
 
     def sent_bytes(self, backend="nccl"):
-        return sum(times * bytes_sent(c, size, n, backend) for _, c, size, n, _, times in self.comm)
+        return sum(times * bytes_sent(c, size, n, backend) for _, c, size, n, _, times, _ in self.comm)
+
+    def collectives_s(self, cluster):
+        return sum(times * collective_seconds(c, size, n, link, cluster.backend, calls)
+                   for _, c, size, n, link, times, calls in self.comm if c != "send")
 
     def comm_s(self, cluster):
-        return sum(times * collective_seconds(c, size, n, link, cluster.backend)
-                   for _, c, size, n, link, times in self.comm)
+        """The collectives, and a pipeline's messages on its critical path: 2 (m + p - 1) of them."""
+        path = 2 * (self.micro_batches + self.pp - 1) if self.pp > 1 else 0
+        return self.collectives_s(cluster) + path * self.message_s
 
     def step_s(self, cluster):
-        return self.compute_s / (1 - self.bubble) + self.comm_s(cluster)
+        return pipeline_step_s(self.micro_batches, self.pp, self.compute_s, 2 * self.message_s) \
+            + self.collectives_s(cluster)
 
 
-def collective_seconds(collective, size, n, link, backend="nccl"):
-    """alpha-beta, as lesson 9 fits it: a ring's steps (2 (n - 1) for an all-reduce, n - 1 for an
-    all-gather or a reduce-scatter; one for a point-to-point send) times the latency, plus the bytes
-    each rank sends over the bandwidth."""
-    if n <= 1:
+def pipeline_step_s(m, p, whole_s, per_microbatch_s):
+    """A pipeline's step, GPipe or 1F1B, on p equal stages (p = 1: no pipeline): m + p - 1 slots one
+    after another, each a stage's work on one micro-batch, whole_s / m, plus what every micro-batch
+    costs whatever its size: its two messages (the activation on, the gradient back) and, on a
+    CPU, each micro-batch's own fixed costs (lesson 11 measures them). The bubble is in the slots:
+    (p - 1) / (m + p - 1) of them idle on each stage."""
+    return (m + p - 1) * (whole_s / m + per_microbatch_s)
+
+
+def collective_seconds(collective, size, n, link, backend="nccl", calls=1):
+    """alpha-beta, as lesson 9 fits it: a ring's steps (2 (n - 1) for an all-reduce, and for Gloo's
+    reduce-scatter, which is one; n - 1 for an all-gather or NCCL's reduce-scatter; one for a
+    point-to-point send) times the latency, plus the bytes each rank sends over the bandwidth. Split
+    into `calls` collectives (DDP's buckets, FSDP's layers, ZeRO-1's tensors), each pays the latency."""
+    if n <= 1 and collective != "send":
         return 0.0
     if collective == "send":
-        return link.latency_s + size / link.bandwidth
-    steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
-    return steps * link.latency_s + bytes_sent(collective, size, n, backend) / link.bandwidth
+        return calls * link.latency_s + size / link.bandwidth
+    whole_ring = collective == "all_reduce" or collective == "reduce_scatter" and backend == "gloo"
+    steps = 2 * (n - 1) if whole_ring else n - 1
+    return calls * steps * link.latency_s + bytes_sent(collective, size, n, backend) / link.bandwidth
 
 
 def state_bytes(model, training, shard, n, dealing="even", params=None):
@@ -244,20 +271,21 @@ def state_bytes(model, training, shard, n, dealing="even", params=None):
     return memory
 
 
-def activation_bytes(model, training, micro_batch, tp=1, layers=None):
-    """What one micro-batch leaves for backward on one GPU: `layers` decoder layers (all by default)
-    and the logits (fp32) when the last layer is here; a module: its measured bytes per sample."""
+def activation_bytes(model, training, micro_batch, tp=1, layers=None, in_flight=1, logits=True):
+    """What `in_flight` micro-batches leave for backward on one GPU: `layers` decoder layers (all by
+    default) and the logits (fp32) when the last layer is here; recomputing, each layer's input, and
+    one layer's activations while it is recomputed; a module: its measured bytes per sample."""
     if not model.is_decoder:
-        return model.activation_bytes_per_sample * micro_batch
+        return model.activation_bytes_per_sample * micro_batch * in_flight
     s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
     layers = model.layers if layers is None else layers
     scores = 0 if training.flash_attention else 5 * a * s / (h * tp)
     per_layer = s * b * h * (10 + 24 / tp + scores) * training.activation_scale
     if training.recompute:
-        kept = layers * 2 * s * b * h * training.activation_scale + per_layer
+        kept = in_flight * layers * 2 * s * b * h * training.activation_scale + per_layer
     else:
-        kept = layers * per_layer
-    return kept + 4 * s * b * model.vocab / tp
+        kept = in_flight * layers * per_layer
+    return kept + (in_flight * 4 * s * b * model.vocab / tp if logits else 0)
 
 
 def flops_per_sample(model, recompute=False):
@@ -269,8 +297,9 @@ def flops_per_sample(model, recompute=False):
 
 
 def where(group_size, stride, cluster):
-    """The link a group of GPUs `stride` apart crosses: within a node, or between nodes."""
-    return cluster.intra if group_size * stride <= cluster.gpus_per_node else cluster.inter
+    """The link a group of GPUs `stride` apart crosses: within a node if every such group fits in
+    one (the node's GPUs a whole number of the groups' span), else between nodes."""
+    return cluster.intra if cluster.gpus_per_node % (group_size * stride) == 0 else cluster.inter
 
 
 def plan(name, model, training, cluster, shard=0, dp=None, tp=1, pp=1, hybrid=False, dealing="torch"):
@@ -280,8 +309,8 @@ def plan(name, model, training, cluster, shard=0, dp=None, tp=1, pp=1, hybrid=Fa
     result = Plan(name, dp=dp, tp=tp, pp=pp)
     if dp * tp * pp != cluster.gpus:
         result.problem = f"{dp} x {tp} x {pp} is not the {cluster.gpus} GPUs"
-    elif tp > cluster.gpus_per_node:
-        result.problem = f"tensor parallelism over {tp} GPUs leaves the node ({cluster.gpus_per_node})"
+    elif cluster.gpus_per_node % tp:
+        result.problem = f"tensor parallelism over {tp} GPUs leaves a node of {cluster.gpus_per_node}"
     elif (tp > 1 or pp > 1) and not model.is_decoder:
         result.problem = "tensor and pipeline parallelism are planned for decoders only"
     elif tp > 1 and (model.heads % tp or model.hidden % tp):
@@ -294,6 +323,7 @@ def plan(name, model, training, cluster, shard=0, dp=None, tp=1, pp=1, hybrid=Fa
     if result.problem:
         return result
     micro_batches = training.global_batch // (training.micro_batch * dp)  # per GPU per step
+    result.micro_batches = micro_batches
     group = cluster.gpus_per_node // (tp * pp) if hybrid else dp  # the GPUs a shard spreads over
     if hybrid and (group < 2 or dp % group):
         result.problem = "HSDP needs a node of several data-parallel GPUs and several nodes"
@@ -309,44 +339,46 @@ def plan(name, model, training, cluster, shard=0, dp=None, tp=1, pp=1, hybrid=Fa
     else:
         params = model.params
     result.memory = state_bytes(model, training, shard, group, dealing, params=params)
-    in_flight = min(pp, micro_batches)  # 1F1B: the first stage keeps pp micro-batches' activations
-    result.memory["activations"] = in_flight * activation_bytes(
-        model, training, training.micro_batch, tp, layers=model.layers // pp if model.is_decoder else None)
-    if pp > 1:  # the logits live on the last stage, the embeddings on the first: keep the first's
-        result.memory["activations"] -= in_flight * 4 * model.seq * training.micro_batch * model.vocab / tp
-    if shard == 3 and model.is_decoder:  # one layer gathered whole, and its gradient
-        result.memory["gathered"] = model.layer_params / tp * (training.param_bytes + training.grad_bytes)
-    elif shard == 3:
-        largest = max(size for _, size in model.tensors)
-        result.memory["gathered"] = largest * (training.param_bytes + training.grad_bytes)
+    # 1F1B: the first stage keeps pp micro-batches' activations; the logits are the last stage's
+    result.memory["activations"] = activation_bytes(
+        model, training, training.micro_batch, tp, layers=model.layers // pp if model.is_decoder else None,
+        in_flight=min(pp, micro_batches), logits=pp == 1)
+    if shard == 3:  # one layer gathered whole, the next one prefetched (fully_shard's), one layer's gradient
+        layer = model.layer_params / tp if model.is_decoder else max(size for _, size in model.tensors)
+        result.memory["gathered"] = layer * (2 * training.param_bytes + training.grad_bytes)
     result.fits = result.memory_total <= cluster.memory_bytes
 
     # What it sends in a step.
     p_bytes, g_bytes = params * training.param_bytes, params * training.grad_bytes
     dp_link = where(group if hybrid else dp, tp * pp, cluster)
-    if shard == 0:
-        result.comm.append(("gradients", "all_reduce", g_bytes, dp, dp_link, 1))
-    elif shard == 1:  # torch's: DDP's all-reduce, then each share broadcast (as many bytes as a gather)
-        result.comm += [("gradients", "all_reduce", g_bytes, dp, dp_link, 1),
-                        ("parameters", "all_gather", p_bytes, dp, dp_link, 1)]
-    elif shard == 2:
-        result.comm += [("gradients", "reduce_scatter", g_bytes, dp, dp_link, 1),
-                        ("parameters", "all_gather", p_bytes, dp, dp_link, 1)]
-    else:  # each micro-batch gathers every layer for forward and again for backward
-        result.comm += [("parameters", "all_gather", p_bytes, group, dp_link, 2 * micro_batches),
-                        ("gradients", "reduce_scatter", g_bytes, group, dp_link, micro_batches)]
-        if hybrid:
-            replicas = dp // group
-            result.comm.append(("gradient shards", "all_reduce", g_bytes / group, replicas, cluster.inter, 1))
+    buckets = max(1, math.ceil(g_bytes / (25 * 2**20)))  # DDP's 25 MiB buckets
+    units = (model.layers // pp + 1 if model.is_decoder  # layers, each its own collective, and the rest
+             else len({name.rsplit(".", 1)[0] for name, _ in model.tensors}))
+    if shard == 0:  # DDP, no_sync() while accumulating: one all-reduce a step
+        result.comm.append(("gradients", "all_reduce", g_bytes, dp, dp_link, 1, buckets))
+    elif shard == 1:  # torch's: DDP's all-reduce, then each tensor broadcast by its owner (a gather's bytes)
+        result.comm += [("gradients", "all_reduce", g_bytes, dp, dp_link, 1, buckets),
+                        ("parameters", "all_gather", p_bytes, dp, dp_link, 1, len(model.tensors))]
+    elif shard == 2:  # a gradient shard only: reduce-scattered every micro-batch
+        result.comm += [("gradients", "reduce_scatter", g_bytes, dp, dp_link, micro_batches, units),
+                        ("parameters", "all_gather", p_bytes, dp, dp_link, 1, units)]
+    else:  # each micro-batch gathers every layer for forward and again for backward (fully_shard's default)
+        result.comm += [("parameters", "all_gather", p_bytes, group, dp_link, 2 * micro_batches, units),
+                        ("gradients", "reduce_scatter", g_bytes, group, dp_link, micro_batches, units)]
+        if hybrid:  # and all-reduces its gradient shard across the nodes' replicas, every micro-batch too
+            result.comm.append(("gradient shards", "all_reduce", g_bytes / group, dp // group, cluster.inter,
+                                micro_batches, units))
     if tp > 1:  # two all-reduces of a layer's output in forward, two in backward (one more pair recomputing)
         activation = model.seq * training.micro_batch * model.hidden * training.param_bytes
         per_layer = 6 if training.recompute else 4
         result.comm.append(("activations (TP)", "all_reduce", activation, tp, cluster.intra,
-                            per_layer * model.layers // pp * micro_batches))
-    if pp > 1:  # each micro-batch's activation forward and its gradient back, at each cut on the path
+                            per_layer * model.layers // pp * micro_batches, 1))
+    if pp > 1:  # a stage sends each micro-batch's activation on and its gradient back: 2 m messages;
+        # on the critical path, 2 (m + p - 1) of them one after another (pipeline_step_s)
         activation = model.seq * training.micro_batch * model.hidden * training.param_bytes / tp
-        result.comm.append(("activations (PP)", "send", activation, 2, where(pp, tp, cluster),
-                            2 * (micro_batches + pp - 1)))
+        link = where(pp, tp, cluster)
+        result.comm.append(("activations (PP)", "send", activation, 2, link, 2 * micro_batches, 1))
+        result.message_s = collective_seconds("send", activation, 2, link)
         result.bubble = (pp - 1) / (micro_batches + pp - 1)
 
     samples = training.global_batch / dp  # per model replica; tp and pp split its work
@@ -358,7 +390,7 @@ def strategies(model, training, cluster):
     """Every strategy the planner weighs, with the degrees it tries (the best of each family kept)."""
     n, g = cluster.gpus, cluster.gpus_per_node
     plans = [plan("DDP", model, training, cluster),
-             plan("ZeRO-1", model, training, cluster, shard=1),
+             plan("ZeRO-1 (torch's)", model, training, cluster, shard=1),
              plan("ZeRO-2", model, training, cluster, shard=2),
              plan("ZeRO-3 (FSDP)", model, training, cluster, shard=3)]
     if cluster.nodes > 1:
@@ -370,9 +402,10 @@ def strategies(model, training, cluster):
         degrees = [d for d in range(2, (g if axis == "tp" else n) + 1) if n % d == 0]
         options = [plan(family, model, training, cluster, shard=shard, dp=1 if pure else None,
                         **{axis: d}) for d in degrees if not pure or d == n]
+        if not options:  # e.g. tensor parallelism over every GPU of several nodes: say why not
+            options = [plan(family, model, training, cluster, shard=shard, dp=1, **{axis: n})]
         options = [o for o in options if not o.problem] or options[:1]
-        if options:
-            plans.append(min(options, key=lambda o: (not o.fits, o.step_s(cluster))))
+        plans.append(min(options, key=lambda o: (bool(o.problem), not o.fits, o.step_s(cluster))))
     return plans
 
 
@@ -401,8 +434,8 @@ def label(p):
 
 
 def table(plans, cluster):
-    rows = ["| strategy | parameters | gradients | optimizer | activations | total (GB a GPU) | fits | "
-            "sent a step (GB) | communicating (s) | computing (s) | step (s) |", "|" + "---|" * 11]
+    rows = ["| strategy | parameters | gradients | optimizer | activations (+ gathered) | total (GB a GPU) | "
+            "fits | sent a step (GB) | communicating (s) | computing (s) | step (s) |", "|" + "---|" * 11]
     for p in plans:
         if p.problem:
             rows.append(f"| {label(p)} | {p.problem} |" + " |" * 9)

@@ -1,7 +1,10 @@
 """Lesson 13's planner, ddp_scripts/plan_parallelism.py: its arithmetic against the ZeRO paper's
 numbers, its dealing against the course's ZeRO-1 (which equals torch's), and its state per rank
 against what lesson 10's scripts hold, read from docs/measured/fsdp.json (written by `make bench`,
-tools/bench/bench_fsdp.py, from counts of the ranks' tensors)."""
+tools/bench/bench_fsdp.py, from counts of the ranks' tensors); its all-reduce times against those
+measured across the network lab's capped links (docs/measured/netlab.json, tools/bench/bench_netlab.py);
+its pipeline step against lesson 11's across micro-batch counts (docs/measured/pipeline.json,
+tools/bench/bench_pipeline.py)."""
 import json
 import subprocess
 import sys
@@ -12,6 +15,9 @@ from helpers import REPO, SCRIPTS, load_script
 
 planner = load_script("plan_parallelism")
 MEASURED = REPO / "docs" / "measured" / "fsdp.json"
+NETLAB = REPO / "docs" / "measured" / "netlab.json"
+PIPELINE = REPO / "docs" / "measured" / "pipeline.json"
+LINK_RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}  # bits/s, tc tbf's caps
 
 
 def one_tensor(params):
@@ -123,3 +129,57 @@ def test_the_command_ranks_what_fits_by_its_step():
     steps = [float(line.split(": ")[1].split(" s a step")[0]) for line in ranked]
     assert ranked and steps == sorted(steps)
     assert any(line.startswith("-  ") and "does not fit" in line for line in r.stdout.splitlines())
+
+
+def test_all_reduce_times_across_the_labs_capped_links_within_25_percent():
+    """Two lab hosts, one rank each, Gloo (lesson 7's lab, `make bench` as root): alpha and the hosts'
+    own bandwidth fitted on the uncapped link alone (lesson 9's fit, stored with the run); the capped
+    runs, held out, predicted with the link's bandwidth the lower of the hosts' and the tc cap. Checked
+    where the bytes dominate (the fitted latency term under a fifth of the prediction): below that the
+    medians of 3 runs on this shared machine scatter between 0.3 and 8 ms whatever the size, which no
+    alpha-beta model follows."""
+    lab = json.loads(NETLAB.read_text())
+    uncapped = next(r for r in lab["rates"] if r["rate"] == "none")["all_reduce"]["fit"]["torch"]
+    alpha, host = uncapped["alpha_s"], uncapped["bandwidth_bytes_per_s"]
+    checked = 0
+    for rate in lab["rates"]:
+        if rate["rate"] not in LINK_RATES:
+            continue
+        link = planner.Link(alpha, min(host, LINK_RATES[rate["rate"]] / 8))
+        for row in rate["all_reduce"]["rows"]:
+            predicted = planner.collective_seconds("all_reduce", row["bytes"], 2, link, "gloo")
+            if 2 * alpha < predicted / 5:
+                assert predicted == pytest.approx(row["torch_s"], rel=0.25), (rate["rate"], row)
+                checked += 1
+    assert checked >= 8  # 10 Gbit/s: 16 MiB; 1 Gbit/s: 1 MiB and up; 100 Mbit/s: 256 KiB and up
+
+
+def test_the_pipeline_step_against_lesson_11s_across_micro_batch_counts_within_25_percent():
+    """Lesson 11's pipeline (2 stages, a global batch of 64, GPipe): the planner's step, m + p - 1
+    slots of whole_s / m + per_microbatch_s, its two unknowns solved from the runs at M = 1 and 16;
+    held out, M = 2, 4 and 8 predicted. The measured step grows with M: what every micro-batch costs
+    whatever its size (its messages, the schedule's work, a whole weight gradient added each time)
+    outweighs the bubble it shrinks, and the model has that term."""
+    rows = {r["microbatches"]: r["step_s"] for r in json.loads(PIPELINE.read_text())["rows"]}
+    p = 2
+    # (m + p - 1) (w / m + c) = step: linear in w and c; two runs fix them
+    a = torch.tensor([[(m + p - 1) / m, m + p - 1] for m in (1, 16)], dtype=torch.float64)
+    whole_s, per_microbatch_s = torch.linalg.solve(a, torch.tensor([rows[1], rows[16]], dtype=torch.float64))
+    assert whole_s > 0 and per_microbatch_s > 0
+    assert rows[16] > rows[1]  # the step grows with M here
+    for m in (2, 4, 8):
+        predicted = planner.pipeline_step_s(m, p, whole_s.item(), per_microbatch_s.item())
+        assert predicted == pytest.approx(rows[m], rel=0.25), (m, predicted, rows[m])
+
+
+def test_a_plans_pipeline_step_is_pipeline_step_s():
+    """plan() times a pipeline with the same formula the check above fits: its compute in m + p - 1
+    slots, two messages a micro-batch."""
+    cluster = planner.Cluster(gpus_per_node=8, nodes=1)
+    training = planner.Training("adam", "bf16-mixed", micro_batch=1, global_batch=16)
+    model = planner.Model.decoder(8, 1024, 16, 32000, 1024)
+    p = planner.plan("PP", model, training, cluster, dp=1, pp=8)
+    assert not p.problem and p.micro_batches == 16 and p.bubble == pytest.approx(7 / 23)
+    assert p.step_s(cluster) == pytest.approx(
+        planner.pipeline_step_s(16, 8, p.compute_s, 2 * p.message_s) + p.collectives_s(cluster))
+    assert p.comm_s(cluster) == pytest.approx(p.collectives_s(cluster) + 2 * (16 + 8 - 1) * p.message_s)

@@ -20,6 +20,7 @@ BENCHMARKS = [  # (name, script, what it measures)
      "lesson 9: one step of rank 0 in a profiler trace, by hand and DDP"),
     ("pipeline", "figures/draw_pipeline_schedules.py",
      "lesson 11: one step of GPipe and 1F1B, each stage's forwards and backwards in time"),
+    ("pipeline-steps", "bench/bench_pipeline.py", "lesson 11: the pipeline's step against its micro-batches"),
     ("gcn", "bench/bench_gcn.py", "lesson 4: the GCN, 1 rank against 2"),
     ("fsdp", "bench/bench_fsdp.py", "sharding: memory per rank and time per step, ZeRO and FSDP against DDP"),
     ("netlab", "bench/bench_netlab.py",
