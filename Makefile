@@ -100,6 +100,7 @@ figures: $(BASE)  ## redraw the figures that need no benchmark run (the GCN batc
 	$(PY) tools/figures/draw_sharding.py
 	$(PY) tools/figures/draw_parallelisms.py
 	$(PY) tools/figures/draw_inside_results.py
+	$(PY) tools/figures/draw_planner_checks.py
 
 study-times: $(DEV)  ## rewrite each lesson's study-time estimate (and the README's) from its words and exercises
 	$(PY) tools/generate/study_time.py --write
