@@ -11,7 +11,7 @@ state, activations), what it sends in a step and how long that takes, how long i
 it fits, and ranks those that fit by their predicted step.
 
 The arithmetic, each piece a function below, each checked in tests/unit/test_plan_parallelism.py:
-  bytes per parameter    fp32: 4 + 4 + optimizer (SGD 0, momentum 4, Adam 8); bf16 mixed: 2 + 2 +
+  bytes per parameter    fp32: 4 + 4 + optimizer (SGD 0, momentum 4, Adam 8); 16-bit mixed: 2 + 2 +
                          (fp32 master copy 4 + SGD 0, momentum 4, Adam 8): Adam's 16 (ZeRO's K = 12)
   sharding               ZeRO-1 the optimizer state, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the
                          parameters too, over the data-parallel ranks; HSDP within a node, replicated
@@ -28,9 +28,10 @@ The arithmetic, each piece a function below, each checked in tests/unit/test_pla
   pipeline               pipeline_step_s: m + p - 1 slots, each a micro-batch's work on a stage and its
                          messages; the bubble (p - 1) / (m + p - 1)
 No overlap of communication with computation is assumed: the step is their sum, an upper bound
-(DDP and FSDP overlap much of it). Mixed precision is counted as DeepSpeed and Megatron keep it (bf16
-parameters and gradients, the fp32 master copy in the optimizer's state); torch's autocast under DDP
-keeps fp32 parameters and gradients: plan it as --precision fp32 for memory. DDP accumulates with
+(DDP and FSDP overlap much of it). Mixed precision is counted as the ZeRO paper and DeepSpeed keep it
+(16-bit parameters and gradients, the fp32 master copy in the optimizer's state); torch's autocast
+under DDP keeps fp32 parameters and gradients (plan it as --precision fp32 for memory); Megatron-LM
+keeps fp32 gradients besides: 2 more bytes a parameter. DDP accumulates with
 no_sync() (one all-reduce a step); fully_shard reduce-scatters every micro-batch, and gathers each
 layer while prefetching the next. Layout: tensor parallelism innermost, within a node; then
 pipeline stages; then data parallelism across what is left.
