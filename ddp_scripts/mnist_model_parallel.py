@@ -18,6 +18,7 @@ prepared, and it has none of the hardening of mnist_ddp_cpu.py.
 """
 import json
 import os
+import statistics
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -250,6 +251,14 @@ def idle_shares(timeline):
     return [torch.tensor(s).median().item() for s in shares]
 
 
+def slot_seconds(timeline):
+    """The slowest stage's median forward + median backward of one micro-batch, the first step left
+    out: one slot of a pipeline's step, which theory counts M + N - 1 of."""
+    def median(stage, kind):
+        return statistics.median(e - b for step in stage[1:] or stage for k, _, b, e in step if k == kind)
+    return max(median(stage, "F") + median(stage, "B") for stage in timeline)
+
+
 class Timeline:
     """When this stage ran each micro-batch's forward ("F") and backward ("B"), step by step:
     (kind, micro-batch, start, end) in seconds of time.perf_counter(), a clock that all processes
@@ -347,7 +356,8 @@ def worker(rank, world_size, args):
                            "schedule": args.schedule, "loss": losses, "seconds_per_step": seconds,
                            "saved_peak_bytes": getattr(args, "saved_peak_bytes", None),
                            "timeline": getattr(args, "timeline", None),
-                           "idle_shares": idle_shares(args.timeline) if args.mode == "pp" else None}, f)
+                           "idle_shares": idle_shares(args.timeline) if args.mode == "pp" else None,
+                           "slot_seconds": slot_seconds(args.timeline) if args.mode == "pp" else None}, f)
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 

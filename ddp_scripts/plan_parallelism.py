@@ -249,6 +249,15 @@ def collective_seconds(collective, size, n, link, backend="nccl", calls=1):
     return calls * steps * link.latency_s + bytes_sent(collective, size, n, backend) / link.bandwidth
 
 
+def fit_pipeline(steps, p, fit_on):
+    """pipeline_step_s's two unknowns, whole_s and per_microbatch_s, from the measured steps (seconds,
+    by micro-batch count) at the two counts of fit_on: two linear equations, solved exactly."""
+    (m1, m2) = fit_on
+    a1, b1, a2, b2 = (m1 + p - 1) / m1, m1 + p - 1, (m2 + p - 1) / m2, m2 + p - 1
+    det = a1 * b2 - a2 * b1
+    return (steps[m1] * b2 - steps[m2] * b1) / det, (a1 * steps[m2] - a2 * steps[m1]) / det
+
+
 def state_bytes(model, training, shard, n, dealing="even", params=None):
     """Parameters, gradients and optimizer state on one of n data-parallel ranks (the fullest).
     shard: 0 (DDP), 1 (ZeRO-1: the optimizer state), 2 (and the gradients), 3 (and the parameters).

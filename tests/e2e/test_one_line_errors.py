@@ -22,6 +22,7 @@ MISTAKES = {
     "sharding_by_hand.py": ["--shard", "zero4"],
     "mnist_model_parallel.py": ["--mode", "tp", "--nprocs", "3", "--width", "64"],
     "template_ddp.py": ["--lr", "-1"],
+    "plan_parallelism.py": ["--layers", "32", "--hidden", "4096", "--heads", "30"],  # 4096 / 30 heads
 }
 
 
@@ -31,5 +32,5 @@ def test_every_script_has_its_mistake():
 
 @pytest.mark.parametrize("script", sorted(MISTAKES))
 def test_a_mistake_is_one_line_without_a_traceback(script, data_args):
-    data = [] if script.startswith(("gcn", "template", "allreduce")) else ["--data-dir", data_args[3]]
+    data = [] if script.startswith(("gcn", "template", "allreduce", "plan")) else ["--data-dir", data_args[3]]
     assert "error" in refused(script, *MISTAKES[script], *data)

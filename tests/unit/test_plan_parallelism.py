@@ -162,13 +162,13 @@ def test_the_pipeline_step_against_lesson_11s_across_micro_batch_counts_within_2
     outweighs the bubble it shrinks, and the model has that term."""
     rows = {r["microbatches"]: r["step_s"] for r in json.loads(PIPELINE.read_text())["rows"]}
     p = 2
-    # (m + p - 1) (w / m + c) = step: linear in w and c; two runs fix them
-    a = torch.tensor([[(m + p - 1) / m, m + p - 1] for m in (1, 16)], dtype=torch.float64)
-    whole_s, per_microbatch_s = torch.linalg.solve(a, torch.tensor([rows[1], rows[16]], dtype=torch.float64))
+    whole_s, per_microbatch_s = planner.fit_pipeline(rows, p, fit_on=(1, 16))
+    for m in (1, 16):  # (m + p - 1) (w / m + c) = step: linear in w and c, two runs fix them
+        assert planner.pipeline_step_s(m, p, whole_s, per_microbatch_s) == pytest.approx(rows[m])
     assert whole_s > 0 and per_microbatch_s > 0
     assert rows[16] > rows[1]  # the step grows with M here
     for m in (2, 4, 8):
-        predicted = planner.pipeline_step_s(m, p, whole_s.item(), per_microbatch_s.item())
+        predicted = planner.pipeline_step_s(m, p, whole_s, per_microbatch_s)
         assert predicted == pytest.approx(rows[m], rel=0.25), (m, predicted, rows[m])
 
 

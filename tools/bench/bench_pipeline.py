@@ -23,13 +23,6 @@ CONFIG = ["--mode", "pp", "--nprocs", "2", "--width", "512", "--batch-size", "64
           "--max-steps", "20", "--no-shuffle", "--quiet"]
 
 
-def slot_s(timeline):
-    """The slowest stage's median forward + median backward of one micro-batch, the first step left out."""
-    def median(stage, kind):
-        return statistics.median(e - b for step in stage[1:] for k, _, b, e in step if k == kind)
-    return max(median(stage, "F") + median(stage, "B") for stage in timeline)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -48,7 +41,7 @@ def main():
         for m in MICRO:
             metrics = run_metrics("mnist_model_parallel.py", ["--microbatches", str(m)], [*CONFIG, *data])
             step = statistics.median(metrics["seconds_per_step"][1:])
-            runs[m].append({"step_s": step, "slot_s": slot_s(metrics["timeline"]),
+            runs[m].append({"step_s": step, "slot_s": metrics["slot_seconds"],
                             "idle_shares": metrics["idle_shares"]})
             print(f"  round {round_ + 1}  M = {m:2d}: {step * 1e3:6.1f} ms a step, slot "
                   f"{runs[m][-1]['slot_s'] * 1e3:.2f} ms", flush=True)

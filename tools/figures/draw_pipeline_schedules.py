@@ -65,14 +65,6 @@ def idle(stages):
     return idle_shares([[stage] for stage in stages])
 
 
-def slot_ms(timeline):
-    """The slowest stage's forward + backward of one micro-batch: medians over the steps after the first."""
-    def median(stage, kind):
-        times = sorted(e - b for step in stage[1:] for k, _, b, e in step if k == kind)
-        return times[len(times) // 2]
-    return max(median(stage, "F") + median(stage, "B") for stage in timeline) * 1e3
-
-
 def handovers(stages):
     """ms from the end of a micro-batch's forward (backward) on one stage to the start of its forward
     (backward) on the next stage (the one before): the message between them, and any wait for the
@@ -146,7 +138,7 @@ def main():
             metrics = run(name, Path(tmp), ["--dataset", dataset, "--data-dir", args.data_dir])
             step, stages = fastest_step(metrics["timeline"])
             panels[name] = stages, metrics
-            slot = slot_ms(metrics["timeline"])
+            slot = metrics["slot_seconds"] * 1e3
             print(f"{name:<13} step {step}: {max(e for s in stages for *_, e in s):.1f} ms, idle "
                   f"{', '.join(f'{s:.0%}' for s in idle(stages))}; the slowest stage's forward + backward "
                   f"{slot:.2f} ms, {MICRO + STAGES - 1} such slots {(MICRO + STAGES - 1) * slot:.1f} ms; "

@@ -46,7 +46,6 @@ def draw(out):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torch
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), layout="constrained")
     (a, b), (c, d) = axes
@@ -106,8 +105,7 @@ def draw(out):
 
     pipe = json.loads((MEASURED / "pipeline.json").read_text())
     steps = {r["microbatches"]: r["step_s"] for r in pipe["rows"]}
-    m_fit = torch.tensor([[(m + 1) / m, m + 1] for m in (1, 16)], dtype=torch.float64)
-    whole, each = torch.linalg.solve(m_fit, torch.tensor([steps[1], steps[16]], dtype=torch.float64)).tolist()
+    whole, each = planner.fit_pipeline(steps, 2, fit_on=(1, 16))
     ms = sorted(steps)
     for r in pipe["rows"]:
         d.scatter([r["microbatches"]] * len(r["runs"]), [1e3 * run["step_s"] for run in r["runs"]], s=14,
