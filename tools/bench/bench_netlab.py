@@ -24,6 +24,8 @@ spread of its runs. Writes docs/measured/netlab.json and figures/netlab_allreduc
 figures/netlab_training.png, figures/netlab_sharding.png.
 
     sudo .venv/bin/python tools/bench/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--runs 3]
+    sudo .venv/bin/python tools/bench/bench_netlab.py --all-reduce-only --repeats 30 \
+        --json docs/measured/netlab_allreduce.json    # part 1 alone, for lesson 13's planner
     python tools/bench/bench_netlab.py --draw docs/measured/netlab.json    # the figures again, from a run
 
 Needs root (network namespaces, tc); without it, one line saying so and exit code 77 (make bench
@@ -48,10 +50,11 @@ PREFIX = "ddpbench"
 # One rank per host: the all-reduce of allreduce_by_hand.py's measure(), ring and Gloo's, over the
 # lab's link; rank 0 prints the medians as JSON.
 ALL_REDUCE = """
-import importlib.util, json, sys
+import importlib.util, json, os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 rank, master, port, max_mb, repeats, script = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))  # the modules it imports (ddp_hardening) lie beside it
 spec = importlib.util.spec_from_file_location("allreduce_by_hand", script)
 by_hand = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(by_hand)
@@ -311,6 +314,9 @@ def main():
     p.add_argument("--json", default=str(REPO / "docs" / "measured" / "netlab.json"),
                    help="where the run is written (committed: the figures and MEASURED are drawn from it)")
     p.add_argument("--draw", metavar="JSON", help="only redraw the figures from a run's JSON")
+    p.add_argument("--all-reduce-only", action="store_true",
+                   help="only part 1 at each rate, no figures: lesson 13's planner reads such a run, made "
+                        "with --repeats 30 --json docs/measured/netlab_allreduce.json")
     p.add_argument("--figures", default=str(REPO / "figures"), help="where the figures go")
     args = p.parse_args()
     if args.draw:
@@ -346,8 +352,8 @@ def main():
             entry = {"rate": rate, "label": label,
                      "all_reduce": measure_all_reduce(lab, args.max_mb, args.repeats)}
             configs = [("training", name, "mnist_ddp_comm.py", flags, args.micro_batches // accum)
-                       for name, flags, accum in TRAINING]
-            if rate in shard_rates:
+                       for name, flags, accum in TRAINING] if not args.all_reduce_only else []
+            if rate in shard_rates and not args.all_reduce_only:
                 configs += [("sharding", name, "mnist_fsdp.py", ["--shard", shard], args.micro_batches)
                             for name, shard in SHARDING]
             entry.update({part: {} for part, *_ in configs})
@@ -367,6 +373,9 @@ def main():
             data["rates"].append(entry)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1))
+    if args.all_reduce_only:
+        print(f"wrote {args.json}")
+        return
     report(data)
     for path in draw(data, args.figures):
         print(f"wrote {path}")
