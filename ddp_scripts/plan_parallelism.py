@@ -408,12 +408,10 @@ def strategies(model, training, cluster):
     families = {"TP": (0, "tp"), "PP": (0, "pp"), "DP x TP": (0, "tp"), "FSDP x TP": (3, "tp"),
                 "DP x PP": (0, "pp")}
     for family, (shard, axis) in families.items():
-        pure = "x" not in family
-        degrees = [d for d in range(2, (g if axis == "tp" else n) + 1) if n % d == 0]
-        options = [plan(family, model, training, cluster, shard=shard, dp=1 if pure else None,
-                        **{axis: d}) for d in degrees if not pure or d == n]
-        if not options:  # e.g. tensor parallelism over every GPU of several nodes: say why not
-            options = [plan(family, model, training, cluster, shard=shard, dp=1, **{axis: n})]
+        pure = "x" not in family  # pure: over all the GPUs (plan() says why not, if it cannot)
+        degrees = [n] if pure else [d for d in range(2, (g if axis == "tp" else n) + 1) if n % d == 0]
+        options = [plan(family, model, training, cluster, shard=shard, dp=1 if pure else None, **{axis: d})
+                   for d in degrees]
         options = [o for o in options if not o.problem] or options[:1]
         plans.append(min(options, key=lambda o: (bool(o.problem), not o.fits, o.step_s(cluster))))
     return plans
@@ -457,6 +455,50 @@ def table(plans, cluster):
                     f"{p.sent_bytes(cluster.backend) / GB:.3g} | {p.comm_s(cluster):.3g} | "
                     f"{p.compute_s / (1 - p.bubble):.3g} | {p.step_s(cluster):.3g} |")
     return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------- against the course's runs
+# What each --shard of lesson 10's scripts is to the planner: (stage, dealing) for state_bytes.
+SCRIPT_STAGES = {"ddp": (0, "even"), "zero": (1, "torch"), "fsdp": (3, "even"),  # mnist_fsdp.py
+                 "zero1": (1, "torch"), "zero2": (2, "torch"), "zero3": (3, "torch")}  # sharding_by_hand.py
+LAB_RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}  # the network lab's tc caps, bits/s
+
+
+def lesson_10_mlp():
+    """Lesson 10's MLP (mnist_parts.build_model("mlp")) on the meta device: shapes, saved tensors, flops."""
+    import torch
+    from mnist_parts import build_model
+
+    with torch.device("meta"):
+        return Model.from_module(build_model("mlp"), torch.zeros(1, 1, 28, 28))
+
+
+def state_checks(measured):
+    """For each run of a bench_fsdp.py file (docs/measured/fsdp.json): (script, --shard, ranks, the
+    fullest rank's state counted from its tensors, predicted), bytes, AdamW in fp32."""
+    model, training = lesson_10_mlp(), Training("adam", "fp32")
+    runs = [("mnist_fsdp.py", r["mode"], r["ranks"], r["state_mib"] * 2**20) for r in measured["rows"]]
+    runs += [("sharding_by_hand.py", r["shard"], r["ranks"], max(r["state_bytes_per_rank"]))
+             for r in measured["by_hand"]]
+    return [(script, shard, n, counted, sum(state_bytes(model, training, *SCRIPT_STAGES[shard][:1], n,
+                                                        SCRIPT_STAGES[shard][1]).values()))
+            for script, shard, n, counted in runs]
+
+
+def lab_all_reduce_checks(lab):
+    """For each capped run of a bench_netlab.py file (docs/measured/netlab*.json): (rate, bytes,
+    measured s, predicted s, whether the bytes dominate: the latency term under a fifth of the
+    prediction). Alpha and the hosts' bandwidth are fitted on the uncapped link alone (lesson 9's fit,
+    stored with the run); a capped link's bandwidth is the lower of the hosts' and its cap."""
+    fit = next(r for r in lab["rates"] if r["rate"] == "none")["all_reduce"]["fit"]["torch"]
+    rows = []
+    for rate in (r for r in lab["rates"] if r["rate"] in LAB_RATES):
+        link = Link(fit["alpha_s"], min(fit["bandwidth_bytes_per_s"], LAB_RATES[rate["rate"]] / 8))
+        for row in rate["all_reduce"]["rows"]:
+            predicted = collective_seconds("all_reduce", row["bytes"], 2, link, "gloo")
+            rows.append((rate["rate"], row["bytes"], row["torch_s"], predicted,
+                         2 * link.latency_s < predicted / 5))
+    return rows
 
 
 # --------------------------------------------------------------------------- command line

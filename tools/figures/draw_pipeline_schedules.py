@@ -16,17 +16,14 @@ so that the computation is long enough to see). Of the steps after the first, th
     python tools/figures/draw_pipeline_schedules.py [--out figures/pipeline_schedules.png]
 """
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
 from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
 sys.path.insert(0, str(REPO / "tools" / "bench"))
-from bench import cores, cpu_name  # noqa: E402
+from bench import cores, cpu_name, run_metrics  # noqa: E402
 
 STAGES, MICRO, WIDTH, BATCH, STEPS = 2, 4, 512, 1024, 6
 PANELS = {"gpipe": "GPipe (torch's ScheduleGPipe)", "1f1b": "1F1B (torch's Schedule1F1B)",
@@ -34,16 +31,11 @@ PANELS = {"gpipe": "GPipe (torch's ScheduleGPipe)", "1f1b": "1F1B (torch's Sched
 COLOURS = {"F": "#8ab6d6", "B": "#e0803a"}
 
 
-def run(schedule, folder, data_args):
-    metrics = folder / f"{schedule}.json"
-    cmd = [sys.executable, str(SCRIPTS / "mnist_model_parallel.py"), "--mode", "pp", "--nprocs", STAGES,
-           "--microbatches", MICRO, "--schedule", schedule, "--width", WIDTH, "--batch-size", BATCH,
-           "--max-steps", STEPS, "--no-shuffle", "--quiet", "--metrics-json", metrics, *data_args]
-    r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        sys.exit(f"draw_pipeline_schedules: {schedule} failed:\n{r.stderr[-3000:]}")
-    print(r.stdout.strip())
-    return json.loads(metrics.read_text())
+def run(schedule, data_args):
+    """One run of the script with this schedule: its metrics (the timeline among them)."""
+    flags = ["--mode", "pp", "--nprocs", STAGES, "--microbatches", MICRO, "--schedule", schedule, "--width",
+             WIDTH, "--batch-size", BATCH, "--max-steps", STEPS, "--no-shuffle", "--quiet"]
+    return run_metrics("mnist_model_parallel.py", list(map(str, flags)), data_args)
 
 
 def fastest_step(timeline):
@@ -133,16 +125,15 @@ def main():
 
     dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
     panels = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in PANELS:
-            metrics = run(name, Path(tmp), ["--dataset", dataset, "--data-dir", args.data_dir])
-            step, stages = fastest_step(metrics["timeline"])
-            panels[name] = stages, metrics
-            slot = metrics["slot_seconds"] * 1e3
-            print(f"{name:<13} step {step}: {max(e for s in stages for *_, e in s):.1f} ms, idle "
-                  f"{', '.join(f'{s:.0%}' for s in idle(stages))}; the slowest stage's forward + backward "
-                  f"{slot:.2f} ms, {MICRO + STAGES - 1} such slots {(MICRO + STAGES - 1) * slot:.1f} ms; "
-                  f"hand-overs {handovers(stages)[0]:.2f} to {handovers(stages)[-1]:.2f} ms")
+    for name in PANELS:
+        metrics = run(name, ["--dataset", dataset, "--data-dir", args.data_dir])
+        step, stages = fastest_step(metrics["timeline"])
+        panels[name] = stages, metrics
+        slot = metrics["slot_seconds"] * 1e3
+        print(f"{name:<13} step {step}: {max(e for s in stages for *_, e in s):.1f} ms, idle "
+              f"{', '.join(f'{s:.0%}' for s in idle(stages))}; the slowest stage's forward + backward "
+              f"{slot:.2f} ms, {MICRO + STAGES - 1} such slots {(MICRO + STAGES - 1) * slot:.1f} ms; "
+              f"hand-overs {handovers(stages)[0]:.2f} to {handovers(stages)[-1]:.2f} ms")
     draw(panels, args.out)
     print(f"wrote {args.out}")
 

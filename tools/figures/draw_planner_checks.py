@@ -24,21 +24,12 @@ sys.path.insert(0, str(REPO / "ddp_scripts"))
 import plan_parallelism as planner  # noqa: E402
 
 PAPER = [120.0, 31.4, 16.6, 1.9]  # GB per device, ZeRO's Figure 1
-LINK_RATES = {"10gbit": (10e9, "10 Gbit/s"), "1gbit": (1e9, "1 Gbit/s"), "100mbit": (100e6, "100 Mbit/s")}
+LINK_LABELS = {"10gbit": "10 Gbit/s", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s"}
 
 
 def short(machine):
     """"Intel(R) Xeon(R) Processor, 2 cores, ..." -> "Intel Xeon"."""
     return machine.replace("(R)", "").split(",")[0].replace(" Processor", "")
-
-
-def lesson_10_mlp():
-    import torch
-
-    import mnist_parts
-
-    with torch.device("meta"):
-        return planner.Model.from_module(mnist_parts.build_model("mlp"), torch.zeros(1, 1, 28, 28))
 
 
 def draw(out):
@@ -62,21 +53,14 @@ def draw(out):
     a.set_title("(a) ZeRO's Figure 1: 7.5B parameters, 64 GPUs, Adam, K = 12", fontsize=9, loc="left")
     a.legend(fontsize=8)
 
-    mlp, fp32 = lesson_10_mlp(), planner.Training("adam", "fp32")
     fsdp = json.loads((MEASURED / "fsdp.json").read_text())
-    stage = {"ddp": (0, "even"), "zero": (1, "torch"), "fsdp": (3, "even")}
-    points = [(f"{r['mode']}, {r['ranks']}", r["state_mib"] * 2**20,
-               sum(planner.state_bytes(mlp, fp32, *stage[r["mode"]][:1], r["ranks"],
-                                       stage[r["mode"]][1]).values()))
-              for r in fsdp["rows"]]
-    points += [(f"{r['shard']} by hand, {r['ranks']}", max(r["state_bytes_per_rank"]),
-                sum(planner.state_bytes(mlp, fp32, int(r["shard"][-1]), r["ranks"], "torch").values()))
-               for r in fsdp["by_hand"]]
+    points = [(script, counted, predicted) for script, _, _, counted, predicted in planner.state_checks(fsdp)]
     top = 1.1 * max(max(m, p) for _, m, p in points) / 2**20
     b.fill_between([0, top], [0, 0.95 * top], [0, 1.05 * top], color="#eeeeee", label="within 5%")
     b.plot([0, top], [0, top], color="#888888", lw=0.8)
     for name, counted, predicted in points:
-        b.scatter(counted / 2**20, predicted / 2**20, s=18, color="#c0504d" if "hand" in name else "#4f81bd")
+        b.scatter(counted / 2**20, predicted / 2**20, s=18,
+                  color="#c0504d" if name == "sharding_by_hand.py" else "#4f81bd")
     b.set_xlabel("counted from the ranks' tensors (MiB)")
     b.set_ylabel("predicted (MiB)")
     b.set_title(f"(b) lesson 10's MLP, AdamW: the fullest rank's state, {len(points)} runs\n"
@@ -85,15 +69,14 @@ def draw(out):
     b.legend(fontsize=8, loc="upper left")
 
     lab = json.loads((MEASURED / "netlab.json").read_text())
-    fit = next(r for r in lab["rates"] if r["rate"] == "none")["all_reduce"]["fit"]["torch"]
-    for (rate, (bits, label)), colour in zip(LINK_RATES.items(), ["#4f81bd", "#9bbb59", "#c0504d"]):
-        rows = next(r for r in lab["rates"] if r["rate"] == rate)["all_reduce"]["rows"]
-        link = planner.Link(fit["alpha_s"], min(fit["bandwidth_bytes_per_s"], bits / 8))
-        sizes = [row["bytes"] for row in rows]
-        c.scatter(sizes, [1e3 * row["torch_s"] for row in rows], s=14, color=colour,
+    checks = planner.lab_all_reduce_checks(lab)
+    for (rate, label), colour in zip(LINK_LABELS.items(), ["#4f81bd", "#9bbb59", "#c0504d"]):
+        rows = [row for row in checks if row[0] == rate]
+        sizes = [size for _, size, *_ in rows]
+        c.scatter(sizes, [1e3 * measured for _, _, measured, *_ in rows], s=14, color=colour,
                   label=f"{label}, measured")
-        c.plot(sizes, [1e3 * planner.collective_seconds("all_reduce", n, 2, link, "gloo") for n in sizes],
-               color=colour, lw=1, label=f"{label}, predicted")
+        c.plot(sizes, [1e3 * predicted for *_, predicted, _ in rows], color=colour, lw=1,
+               label=f"{label}, predicted")
     c.set_xscale("log")
     c.set_yscale("log")
     c.set_xlabel("bytes all-reduced (2 ranks, one per lab host, Gloo)")
