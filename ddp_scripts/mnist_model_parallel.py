@@ -338,11 +338,11 @@ def worker(rank, world_size, args):
         # the median step, the first left out (it also sets things up: the stages' shapes, the buffers)
         per_step = torch.tensor(seconds[1:] or seconds or [0.0]).median().item()
         how = "tensor parallel" if args.mode == "tp" else "pipeline parallel"
-        extra = ""
+        extra, idle = "", idle_shares(args.timeline) if args.mode == "pp" else None
         if args.mode == "pp":  # GPipe idles each stage for N-1 of the M+N-1 slots of a step
             bubble = (world_size - 1) / (args.microbatches + world_size - 1)
             extra = (f", {args.microbatches} micro-batches, bubble (N-1)/(M+N-1) = {bubble:.0%}, "
-                     f"measured idle {', '.join(f'{share:.0%}' for share in idle_shares(args.timeline))}")
+                     f"measured idle {', '.join(f'{share:.0%}' for share in idle)}")
         print(f"done: mlp (width {args.width}) on {args.dataset}, {how} over {world_size} processes"
               f"{extra}, {len(losses)} steps, {per_step * 1000:.1f} ms a step (median), final loss "
               f"{losses[-1] if losses else float('nan'):.4f}, test accuracy {correct / len(test_labels):.2%}",
@@ -356,7 +356,7 @@ def worker(rank, world_size, args):
                            "schedule": args.schedule, "loss": losses, "seconds_per_step": seconds,
                            "saved_peak_bytes": getattr(args, "saved_peak_bytes", None),
                            "timeline": getattr(args, "timeline", None),
-                           "idle_shares": idle_shares(args.timeline) if args.mode == "pp" else None,
+                           "idle_shares": idle,
                            "slot_seconds": slot_seconds(args.timeline) if args.mode == "pp" else None}, f)
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
