@@ -78,3 +78,24 @@ def test_draw_writes_the_three_figures_from_a_runs_json(tmp_path):
     for name in ("netlab_allreduce.png", "netlab_training.png", "netlab_sharding.png"):
         png = tmp_path / "figures" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+
+
+def test_the_back_to_back_all_reduce_reports_every_round_and_their_median():
+    """--all-reduce-only's measurement (BACK_TO_BACK), run as it runs on the lab's two hosts but over
+    loopback: every size from 4 bytes up, each with its rounds and their median, a time each."""
+    import json
+
+    from helpers import free_port
+
+    port, rounds = str(free_port()), 3
+    procs = [subprocess.Popen([sys.executable, "-c", bench_netlab.BACK_TO_BACK, rank, "127.0.0.1", port,
+                               "0.001", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in ("0", "1")]
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    data = json.loads(outs[0].strip().splitlines()[-1])
+    assert data["sizes"] == [4, 16, 64, 256, 1024]  # powers of 4 up to 0.001 MiB
+    assert [len(r) for r in data["rounds"]] == [rounds] * len(data["sizes"])
+    for (median,), each in zip(data["medians"], data["rounds"]):
+        assert median == sorted(each)[1] and 0 < median < 1, (median, each)
+    assert outs[1].strip() == ""  # rank 1 prints nothing

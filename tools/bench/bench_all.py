@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parents[1]
-BENCHMARKS = [  # (name, script, what it measures)
+BENCHMARKS = [  # (name, script and its flags, what it measures)
     ("startup", "bench/bench_startup.py", "what a short job pays before its first step"),
     ("cpu", "bench/bench.py", "lesson 6: 1 process against N on the CPU, threads"),
     ("comm", "bench/bench_comm.py", "lesson 6: communicating less"),
@@ -25,6 +25,8 @@ BENCHMARKS = [  # (name, script, what it measures)
     ("fsdp", "bench/bench_fsdp.py", "sharding: memory per rank and time per step, ZeRO and FSDP against DDP"),
     ("netlab", "bench/bench_netlab.py",
      "lessons 6, 9 and 10 across two lab hosts at several link speeds (root only)"),
+    ("netlab-allreduce", "bench/bench_netlab.py --all-reduce-only",
+     "lesson 13: Gloo's all-reduce back to back across the lab, the planner's check (root only)"),
 ]
 SKIPPED = 77  # a benchmark's exit code when this machine cannot run it (it says why)
 
@@ -38,7 +40,8 @@ def main():
     for number, (name, script, what) in enumerate(chosen, 1):
         print(f"\n[{number}/{len(chosen)}] {name}: {what} (tools/{script}; {len(chosen) - number} after it)",
               flush=True)
-        code = subprocess.run([sys.executable, str(TOOLS / script)]).returncode
+        path, *flags = script.split()
+        code = subprocess.run([sys.executable, str(TOOLS / path), *flags]).returncode
         if code == SKIPPED:
             skipped.append(name)
         elif code != 0:

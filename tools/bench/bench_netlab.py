@@ -23,9 +23,15 @@ images/s is the median of its runs, reported as a ratio to plain DDP at the same
 spread of its runs. Writes docs/measured/netlab.json and figures/netlab_allreduce.png,
 figures/netlab_training.png, figures/netlab_sharding.png.
 
+With --all-reduce-only (make bench's netlab-allreduce): Gloo's all-reduce alone at each rate, issued
+back to back, as nccl-tests times collectives (BACK_TO_BACK: 9 rounds per size, each the mean of up to
+64 all-reduces, every round kept), written to docs/measured/netlab_allreduce.json, the run lesson
+13's planner is checked against (tests/unit/test_plan_parallelism.py). One at a time after a
+barrier, as in 1, an all-reduce finds the link's token bucket refilled by the pause and the
+mid-sized ones pass at the hosts' speed; back to back, the bucket stays spent.
+
     sudo .venv/bin/python tools/bench/bench_netlab.py [--rates none,10gbit,1gbit,100mbit] [--runs 3]
-    sudo .venv/bin/python tools/bench/bench_netlab.py --all-reduce-only --repeats 30 \
-        --json docs/measured/netlab_allreduce.json    # part 1 alone, for lesson 13's planner
+    sudo .venv/bin/python tools/bench/bench_netlab.py --all-reduce-only   # lesson 13's check, below
     python tools/bench/bench_netlab.py --draw docs/measured/netlab.json    # the figures again, from a run
 
 Needs root (network namespaces, tc); without it, one line saying so and exit code 77 (make bench
@@ -67,6 +73,41 @@ if rank == "0":
     print(json.dumps({"sizes": sizes, "medians": medians.tolist()}), flush=True)
 dist.destroy_process_group()
 """
+# One rank per host: Gloo's all-reduce alone, back to back (as nccl-tests times collectives): after
+# a barrier, a round of all-reduces (4 MiB in all, 4 to 64 of them) timed together (their mean); a
+# warm-up round, then `rounds` rounds; rank 0 prints each size's median round and every round, the
+# slower rank's, as JSON. A link capped by a token bucket shows here the rate its bucket refills at,
+# once the warm-up has spent the burst it saved while idle.
+BACK_TO_BACK = """
+import json, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank, master, port, max_mb, rounds = sys.argv[1:]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=int(rank), world_size=2,
+                        timeout=timedelta(seconds=300))
+def iterations(size):
+    return max(4, min(64, 2**22 // size))
+sizes, size = [], 4
+while size <= float(max_mb) * 2**20:
+    sizes.append(size)
+    size *= 4
+means = torch.zeros(len(sizes), int(rounds), dtype=torch.float64)
+for i, size in enumerate(sizes):
+    x = torch.zeros(size // 4)  # zeros: the sums stay zero (no overflow, no denormals)
+    for k in range(-1, int(rounds)):  # k = -1: the warm-up round, not counted
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations(size)):
+            dist.all_reduce(x)
+        if k >= 0:
+            means[i, k] = (time.perf_counter() - start) / iterations(size)
+dist.all_reduce(means, op=dist.ReduceOp.MAX)
+if rank == "0":
+    print(json.dumps({"sizes": sizes, "medians": [[m] for m in means.quantile(0.5, dim=1).tolist()],
+                      "rounds": means.tolist()}), flush=True)
+dist.destroy_process_group()
+"""
 # (name, flags of mnist_ddp_comm.py, micro-batches per optimizer step)
 TRAINING = [
     ("DDP, default buckets", [], 1),  # the MLP: 1 MiB first (its last layer), then 25 MiB
@@ -106,18 +147,23 @@ def both_hosts(lab, commands, timeout):
     return results
 
 
-def measure_all_reduce(lab, max_mb, repeats):
-    script = REPO / "ddp_scripts" / "allreduce_by_hand.py"
+def measure_all_reduce(lab, max_mb, repeats, back_to_back=False):
+    """Gloo's all-reduce and the ring by hand, one at a time, in turn, `repeats` of each per size;
+    back_to_back: Gloo's alone, `repeats` rounds of BACK_TO_BACK per size."""
     master, port = lab.address(lab.hosts[0]), lab.port()
-    results = both_hosts(lab, [[python(), "-c", ALL_REDUCE, rank, master, port, max_mb, repeats, script]
-                               for rank in (0, 1)], timeout=900)
+    keys = ("torch",) if back_to_back else ("ring", "torch")
+    tail = [] if back_to_back else [REPO / "ddp_scripts" / "allreduce_by_hand.py"]
+    results = both_hosts(lab, [[python(), "-c", BACK_TO_BACK if back_to_back else ALL_REDUCE, rank, master,
+                                port, max_mb, repeats, *tail] for rank in (0, 1)], timeout=900)
     for code, out in results:
         if code != 0:
             raise RuntimeError(f"the all-reduce across the lab failed:\n{out}")
     data = json.loads(results[0][1].strip().splitlines()[-1])
-    rows = [{"bytes": size, "sent_bytes": size, "ring_s": ring, "torch_s": gloo}  # N = 2: sent = bytes
-            for size, (ring, gloo) in zip(data["sizes"], data["medians"])]
-    return {"rows": rows, "fit": {key: fit(rows, key) for key in ("ring", "torch")}}
+    rows = [{"bytes": size, "sent_bytes": size, **{f"{key}_s": t for key, t in zip(keys, times)}}
+            for size, times in zip(data["sizes"], data["medians"])]  # N = 2: sent = bytes
+    for row, rounds in zip(rows, data.get("rounds", [])):
+        row["torch_rounds_s"] = rounds  # back to back: each round's mean, the spread of the median
+    return {"rows": rows, "fit": {key: fit(rows, key) for key in keys}}
 
 
 def fit(rows, key, n=2):
@@ -309,16 +355,24 @@ def main():
     p.add_argument("--shard-rates", default="none,1gbit",
                    help="the rates at which mnist_fsdp.py's ddp, zero and fsdp also run ('': none)")
     p.add_argument("--max-mb", type=float, default=16, help="the largest all-reduce, MiB")
-    p.add_argument("--repeats", type=int, default=3, help="all-reduces per size (the median is kept)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="all-reduces per size, the median kept (default 3); with --all-reduce-only, rounds "
+                        "per size (default 9)")
     p.add_argument("--data-dir", default=str(REPO / "data"))
-    p.add_argument("--json", default=str(REPO / "docs" / "measured" / "netlab.json"),
-                   help="where the run is written (committed: the figures and MEASURED are drawn from it)")
+    p.add_argument("--json", default=None,
+                   help="where the run is written (committed: the figures, MEASURED and lesson 13 read it; "
+                        "default docs/measured/netlab.json, with --all-reduce-only netlab_allreduce.json)")
     p.add_argument("--draw", metavar="JSON", help="only redraw the figures from a run's JSON")
     p.add_argument("--all-reduce-only", action="store_true",
-                   help="only part 1 at each rate, no figures: lesson 13's planner reads such a run, made "
-                        "with --repeats 30 --json docs/measured/netlab_allreduce.json")
+                   help="only Gloo's all-reduce at each rate, back to back, no figures: the run lesson 13's "
+                        "planner is checked against")
     p.add_argument("--figures", default=str(REPO / "figures"), help="where the figures go")
     args = p.parse_args()
+    if args.repeats is None:
+        args.repeats = 9 if args.all_reduce_only else 3
+    if args.json is None:
+        args.json = str(REPO / "docs" / "measured" / ("netlab_allreduce.json" if args.all_reduce_only
+                                                       else "netlab.json"))
     if args.draw:
         data = json.loads(Path(args.draw).read_text())
         report(data)
@@ -339,8 +393,11 @@ def main():
         sys.exit("bench_netlab: error: --runs must be at least 1")
     data = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "link": "a veth pair between two network namespaces, capped by tc tbf on both ends",
-            "statistic": (f"all-reduce: median of --repeats ({args.repeats}), the slower rank's; "
-                          f"training and sharding: median images/s of {args.runs} runs, in rounds"),
+            "statistic": (
+                f"all-reduce: Gloo's alone, back to back, the median of {args.repeats} rounds of 4 MiB "
+                "(4 to 64 all-reduces), the slower rank's mean of a round" if args.all_reduce_only else
+                f"all-reduce: median of --repeats ({args.repeats}), the slower rank's, Gloo's and the ring "
+                f"by hand in turn; training and sharding: median images/s of {args.runs} runs, in rounds"),
             "micro_batches": args.micro_batches, "runs": args.runs, "rates": []}
     with netlab.Lab(prefix=PREFIX) as lab:
         for number, rate in enumerate(rates, 1):
@@ -349,8 +406,10 @@ def main():
                 "mbit", " Mbit/s")
             where = f"[{number}/{len(rates)}] link {label}"
             print(f"{where}: the all-reduce, 4 B to {args.max_mb:g} MiB", flush=True)
-            entry = {"rate": rate, "label": label,
-                     "all_reduce": measure_all_reduce(lab, args.max_mb, args.repeats)}
+            bits = netlab.parse_rate(rate)
+            entry = {"rate": rate, "label": label, "burst_bytes": netlab.burst_bytes(bits) if bits else None,
+                     "all_reduce": measure_all_reduce(lab, args.max_mb, args.repeats,
+                                                      back_to_back=args.all_reduce_only)}
             configs = [("training", name, "mnist_ddp_comm.py", flags, args.micro_batches // accum)
                        for name, flags, accum in TRAINING] if not args.all_reduce_only else []
             if rate in shard_rates and not args.all_reduce_only:

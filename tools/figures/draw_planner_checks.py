@@ -4,8 +4,10 @@ ZeRO paper and against the course's own measurements, as tests/unit/test_plan_pa
     (a) the ZeRO paper's Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam, per stage
     (b) the state one rank holds, predicted against counted: mnist_fsdp.py (ddp, zero, fsdp on 1-3
         ranks) and sharding_by_hand.py (zero1, zero2, zero3 on 2 and 3), docs/measured/fsdp.json
-    (c) an all-reduce's time across the network lab's capped links, measured (points) and predicted
-        (lines; alpha and the hosts' bandwidth fitted on the uncapped link), docs/measured/netlab.json
+    (c) an all-reduce's time across the network lab's capped links, back to back, measured (points:
+        the median round; bars: the fastest and slowest rounds) and predicted (lines; alpha and the
+        hosts' bandwidth fitted on the uncapped link; filled points are those the test checks),
+        docs/measured/netlab_allreduce.json
     (d) lesson 11's pipeline step against its micro-batches, measured (3 runs each) and the planner's
         m + p - 1 slots fitted on M = 1 and 16, docs/measured/pipeline.json
 
@@ -68,12 +70,16 @@ def draw(out):
                 fontsize=9, loc="left")
     b.legend(fontsize=8, loc="upper left")
 
-    lab = json.loads((MEASURED / "netlab.json").read_text())
+    lab = json.loads((MEASURED / "netlab_allreduce.json").read_text())
     checks = planner.lab_all_reduce_checks(lab)
     for (rate, label), colour in zip(LINK_LABELS.items(), ["#4f81bd", "#9bbb59", "#c0504d"]):
         rows = [row for row in checks if row[0] == rate]
         sizes = [size for _, size, *_ in rows]
-        c.scatter(sizes, [1e3 * measured for _, _, measured, *_ in rows], s=14, color=colour,
+        rounds = [row["torch_rounds_s"] for entry in lab["rates"] if entry["rate"] == rate
+                  for row in entry["all_reduce"]["rows"]]
+        c.vlines(sizes, [1e3 * min(r) for r in rounds], [1e3 * max(r) for r in rounds], color=colour, lw=0.8)
+        c.scatter(sizes, [1e3 * measured for _, _, measured, *_ in rows], s=16, color=colour,
+                  facecolors=[colour if checked else "white" for *_, checked in rows],
                   label=f"{label}, measured")
         c.plot(sizes, [1e3 * predicted for *_, predicted, _ in rows], color=colour, lw=1,
                label=f"{label}, predicted")
@@ -81,8 +87,8 @@ def draw(out):
     c.set_yscale("log")
     c.set_xlabel("bytes all-reduced (2 ranks, one per lab host, Gloo)")
     c.set_ylabel("ms")
-    c.set_title(f"(c) all-reduce across the lab's capped links ({short(lab['machine'])}, "
-                f"{lab['date'][:10]};\nthe latency and the hosts' bandwidth fitted on the uncapped link)",
+    c.set_title(f"(c) all-reduce across the lab's capped links, back to back\n({short(lab['machine'])}, "
+                f"{lab['date'][:10]}; fitted on the uncapped link; filled: checked)",
                 fontsize=9, loc="left")
     c.legend(fontsize=7, ncol=2)
 

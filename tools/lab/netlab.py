@@ -7,8 +7,9 @@ nothing is routed to or from the machine's own network. A command run in a host 
 UTS namespace whose hostname is the host's name, and /etc/netns/<namespace>/hosts (which
 `ip netns exec` mounts over /etc/hosts) makes both names resolve to the lab's addresses (and only
 from that file: nsswitch.conf there says `hosts: files`, the lab has no DNS). The link's
-bandwidth is a token bucket (tc tbf) on both ends, so both directions are capped; there is no added
-latency. The file system is shared: the repository and its .venv are the same in every host.
+bandwidth is a token bucket (tc tbf) on both ends, so both directions are capped; a full bucket lets
+burst_bytes() through at the hosts' own speed first. There is no added latency. The file system is
+shared: the repository and its .venv are the same in every host.
 
     python3 tools/lab/netlab.py up --rate 1gbit           # make the lab (removes a stale one first)
     python3 tools/lab/netlab.py run host0 -- hostname     # run a command in a host
@@ -70,6 +71,13 @@ def check_requirements():
     reason = missing_requirements()
     if reason:
         raise LabError(reason)
+
+
+def burst_bytes(bits):
+    """The token bucket's size on a link capped at `bits` per second: 4 ms at the rate, at least
+    64 KB so that a full GSO packet fits. After a pause that refills it (burst / rate), this many
+    bytes pass at the hosts' own speed before the cap binds."""
+    return max(bits // 8 // 250, 65536)
 
 
 def parse_rate(rate):
@@ -308,10 +316,8 @@ class Lab:
             namespace = self.namespace(host)
             _sh("tc", "-n", namespace, "qdisc", "del", "dev", IFNAME, "root", check=False)
             if bits is not None:
-                # burst: 4 ms at the rate (at least 64 KB, so that a full GSO packet fits)
-                burst = max(bits // 8 // 250, 65536)
                 _sh("tc", "-n", namespace, "qdisc", "add", "dev", IFNAME, "root", "tbf",
-                    "rate", f"{bits}bit", "burst", burst, "latency", "100ms")
+                    "rate", f"{bits}bit", "burst", burst_bytes(bits), "latency", "100ms")
         self.rate = bits
 
     def check_host(self, host):
