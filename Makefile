@@ -7,21 +7,31 @@ PY     := $(VENV)/bin/python
 BASE   := $(VENV)/.installed-base
 DEV    := $(VENV)/.installed-dev
 GRAPH  := $(VENV)/.installed-graph
+LIBS   := $(VENV)/.installed-libraries
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu: torch and torchvision from that wheel index first
+# (PyTorch's CPU build, without the CUDA libraries), then the rest from PyPI. Empty: all from PyPI.
+TORCH_INDEX ?=
 
-.PHONY: help setup base graph data demo test test-quick lab notebooks html bench gpu-check kaggle \
+.PHONY: help setup base graph data demo test test-quick lab notebooks pages bench gpu-check kaggle \
 	figures study-times netlab-up netlab-down clean
 .DEFAULT_GOAL := help
 
 $(BASE): requirements.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch and the lessons' packages into $(VENV) (a few minutes the first time) ..."
+	$(if $(TORCH_INDEX),$(PIP) torch torchvision --index-url $(TORCH_INDEX))
 	$(PIP) -r requirements.txt
 	touch $(BASE)
 
 $(DEV): $(BASE) requirements-dev.txt
 	$(PIP) -r requirements-dev.txt
 	touch $(DEV)
+
+# Accelerate and Fabric, for docs/LIBRARIES.md's examples (optional: their tests skip without them).
+$(LIBS): $(BASE) requirements-libraries.txt
+	$(PIP) -r requirements-libraries.txt
+	touch $(LIBS)
 
 # PyG's sampler: prebuilt wheels from ../shared/wheels, else PyG's index, else compiled (announced).
 $(GRAPH): $(BASE) requirements-graph.txt tools/setup/install_graph.py
@@ -52,8 +62,8 @@ graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
 	$(PY) tools/generate/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
-html: $(DEV)  ## the notebooks executed by `make notebooks`, as HTML pages with an index, in build/html/
-	$(PY) tools/generate/render_html.py
+pages: setup  ## run every lesson and solution in full, render each with its outputs in docs/lessons/ (41 min on 2 cores; NB=05: those named)
+	$(PY) tools/generate/render_lessons.py $(NB)
 
 ##@ Checks and measurements
 test: setup  ## the whole test suite and every notebook (what CI runs)
@@ -77,7 +87,7 @@ netlab-down:  ## remove the lab and every process still running in it
 	$(PYTHON) tools/lab/netlab.py down
 
 ##@ Set-up
-setup: $(BASE) $(DEV) $(GRAPH) data  ## everything: virtual environment, packages, offline dataset, test browser
+setup: $(BASE) $(DEV) $(GRAPH) $(LIBS) data  ## everything: virtual environment, packages, offline dataset, test browser
 	@bash tools/setup/install_browser.sh
 
 base: $(BASE)  ## torch and what the lessons need (what `make demo` installs)

@@ -240,40 +240,6 @@ def test_captured_output_is_shown_and_kept(capsys):
     assert "second" in shown and "third" in shown
 
 
-def test_make_html_renders_executed_notebooks_with_an_index(tmp_path):
-    """tools/generate/render_html.py (make html): a page per executed notebook, its figures embedded (they
-    are found from notebooks/, where the notebook was written), links to other lessons turned
-    into links to their pages, and an index page listing every lesson by its title."""
-    import subprocess
-    import sys
-
-    executed = tmp_path / "executed"
-    executed.mkdir()
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("# Lesson 9: a title\n![flow](../figures/ddp_data_flow.png)\n"
-                                              "[the next lesson](10_next.ipynb)"),
-                nbformat.v4.new_code_cell("print('hi')", outputs=[
-                    nbformat.v4.new_output("stream", name="stdout", text="an output of the run\n")])]
-    nbformat.write(nb, executed / "09_a_title.ipynb")
-    out = tmp_path / "html"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "generate" / "render_html.py"),
-                        "--notebooks", str(executed),
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    page = (out / "09_a_title.html").read_text()
-    assert "an output of the run" in page and "data:image/png;base64," in page
-    assert 'href="10_next.html"' in page
-    index = (out / "index.html").read_text()
-    assert '<a href="09_a_title.html">Lesson 9: a title</a>' in index
-
-    empty = tmp_path / "nothing"
-    empty.mkdir()
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "generate" / "render_html.py"),
-                        "--notebooks", str(empty),
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "run `make notebooks`" in r.stderr
-
-
 LAB_COMMANDS = r"tools/lab/(netlab|slurm_lab)\.py"  # the network lab and its Slurm cluster, run as commands
 
 

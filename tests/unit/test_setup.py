@@ -92,3 +92,25 @@ def test_the_gpu_session_names_tests_and_scripts_that_exist():
     paths = set(re.findall(r"\b((?:tests|ddp_scripts|tools|notebooks)/[\w/]+\.(?:py|ipynb))", text))
     assert {"tests/e2e/test_resume.py", "tests/unit/test_gpu_checks.py", "ddp_scripts/mnist_fsdp.py"} <= paths
     assert not [p for p in paths if not (REPO / p).exists()]
+
+
+@pytest.mark.parametrize("index", ["", "https://download.pytorch.org/whl/cpu"])
+def test_torch_index_reaches_pip_before_the_requirements(tmp_path, index):
+    """`make base TORCH_INDEX=...` (PyTorch's CPU build, for a machine without a GPU): torch and
+    torchvision come from that index first, with the same constraints, then the requirements from
+    PyPI; without it, only the requirements. Run with a stand-in Python that logs what pip is given."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    python.chmod(0o755)
+    r = subprocess.run(["make", "-B", f"VENV={venv}", *([f"TORCH_INDEX={index}"] if index else []),
+                        str(venv / ".installed-base")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    pip = "-m pip install --quiet --disable-pip-version-check -c constraints.txt"
+    expected = [f"{pip} torch torchvision --index-url {index}"] if index else []
+    assert calls == expected + [f"{pip} -r requirements.txt"], calls

@@ -1,0 +1,89 @@
+"""Lesson 2's training (and lesson 6's accumulation) written with Lightning Fabric: the same global
+batch, the same updates as one process, which tests/e2e/test_libraries.py checks. Read it beside
+docs/LIBRARIES.md, which maps each of the course's mechanisms to Fabric's.
+
+    python ddp_scripts/libraries/with_fabric.py --nprocs 2 --max-steps 50
+    python ddp_scripts/libraries/with_fabric.py --nprocs 2 --accum 4 --save model.pt
+
+Runs on the CPU (Gloo; on GPUs, accelerator="cuda" and NCCL). Needs `lightning-fabric`
+(requirements-libraries.txt) and the course's mnist_parts.py, ddp_hardening.py in ddp_scripts/ for
+the data.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning_fabric import Fabric
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's data and models
+from mnist_parts import build_model, load_split, prepare_data  # noqa: E402
+
+
+def train(fabric, args):
+    # Lesson 2: fabric.launch started the ranks and the process group; setup() wraps the model in
+    # DDP (strategy="ddp_spawn"), setup_dataloaders() gives each rank a DistributedSampler: every
+    # world_size-th image, so each rank's batch is the global batch / world size, as in lesson 2.
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
+    images, labels = load_split(args.dataset, args.data_dir, train=True)
+    per_rank = args.batch_size // args.accum // fabric.world_size  # one rank's micro-batch
+    loader = fabric.setup_dataloaders(DataLoader(
+        TensorDataset(images[:args.max_steps * args.batch_size], labels[:args.max_steps * args.batch_size]),
+        batch_size=per_rank))
+
+    for i, (x, y) in enumerate(loader):
+        last = (i + 1) % args.accum == 0
+        # Lesson 6: DDP's no_sync() on every micro-batch but the last; the loss divided by hand.
+        with fabric.no_backward_sync(model, enabled=not last):
+            fabric.backward(F.cross_entropy(model(x), y) / args.accum)
+        if last:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    # Lesson 2's evaluation: each rank scores every world_size-th image, the sums all-reduced.
+    test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
+    x = test_images[:args.eval_images][fabric.global_rank::fabric.world_size]
+    y = test_labels[:args.eval_images][fabric.global_rank::fabric.world_size]
+    model.eval()
+    with torch.no_grad():
+        counts = torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
+    correct, total = fabric.all_reduce(counts, reduce_op="sum").tolist()
+    if fabric.is_global_zero:
+        print(f"done: {fabric.world_size} processes, test accuracy {correct / total:.2%} of {total} images",
+              flush=True)
+        if args.metrics_json:
+            Path(args.metrics_json).write_text(json.dumps({"world_size": fabric.world_size,
+                                                           "correct": correct, "total": total}))
+        if args.save:
+            torch.save(model.module.state_dict(), args.save)  # .module: the model inside the wrappers
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--model", default="linear", choices=["linear", "convnet", "mlp"])
+    p.add_argument("--batch-size", type=int, default=64, help="the global batch, all ranks together")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--max-steps", type=int, default=50, help="optimizer steps")
+    p.add_argument("--eval-images", type=int, default=10_000, help="test images scored")
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "data"))
+    p.add_argument("--metrics-json", help="write the evaluation's counts here")
+    p.add_argument("--save", help="write the trained model's state_dict here")
+    args = p.parse_args(argv)
+    if args.batch_size % (args.accum * args.nprocs):
+        p.error(f"--batch-size {args.batch_size} must divide into --accum x --nprocs equal shares")
+    return args
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    args.dataset = prepare_data("auto", args.data_dir)  # once, before the processes start
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=args.nprocs, strategy="ddp_spawn")
+    fabric.launch(train, args)  # starts --nprocs ranks, each calls train(fabric, args)
