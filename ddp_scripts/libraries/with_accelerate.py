@@ -7,9 +7,8 @@ beside docs/LIBRARIES.md, which maps each of the course's mechanisms to Accelera
 
 Runs on the CPU (Gloo); for GPUs, drop `cpu=True` below and the same launches use NCCL. Needs
 `accelerate` (requirements-libraries.txt) and the course's mnist_parts.py, ddp_hardening.py in
-ddp_scripts/ for the data.
+ddp_scripts/ for the data, and example_flags.py beside it.
 """
-import argparse
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's data and models
 from ddp_hardening import master_port  # noqa: E402
 from mnist_parts import build_model, load_split, prepare_data  # noqa: E402
+from example_flags import parse_args  # noqa: E402  (the flags, beside this file)
 
 
 def train(args):
@@ -71,31 +71,14 @@ def train(args):
             torch.save(accelerator.unwrap_model(model).state_dict(), args.save)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nprocs", type=int, default=2)
-    p.add_argument("--model", default="linear", choices=["linear", "convnet", "mlp"])
-    p.add_argument("--batch-size", type=int, default=64, help="the global batch, all ranks together")
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--max-steps", type=int, default=50, help="optimizer steps")
-    p.add_argument("--eval-images", type=int, default=10_000, help="test images scored")
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "data"))
-    p.add_argument("--metrics-json", help="write the evaluation's counts here")
-    p.add_argument("--save", help="write the trained model's state_dict here")
-    args = p.parse_args(argv)
-    if args.batch_size % (args.accum * args.nprocs):
-        p.error(f"--batch-size {args.batch_size} must divide into --accum x --nprocs equal shares")
-    return args
-
-
 if __name__ == "__main__":
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     torch.set_num_threads(1)
+    # Started by hand, this runs once, before the processes start; under a launcher every rank runs
+    # it (then download first, or wrap it in accelerator.main_process_first() inside train).
+    args.dataset = prepare_data("auto", args.data_dir)
     if "RANK" in os.environ:  # started by `accelerate launch` or torchrun: this process is one rank
-        args.dataset = prepare_data("auto", args.data_dir)  # (lesson 2 prepares it once, before)
         train(args)
     else:  # started by hand: notebook_launcher starts --nprocs ranks (from a notebook too)
-        args.dataset = prepare_data("auto", args.data_dir)  # once, before the processes start
         # use_port: its default is always 29500, where a second job on the machine would collide
         notebook_launcher(train, (args,), num_processes=args.nprocs, use_port=master_port())

@@ -6,10 +6,9 @@ docs/LIBRARIES.md, which maps each of the course's mechanisms to Fabric's.
     python ddp_scripts/libraries/with_fabric.py --nprocs 2 --accum 4 --save model.pt
 
 Runs on the CPU (Gloo; on GPUs, accelerator="cuda" and NCCL). Needs `lightning-fabric`
-(requirements-libraries.txt) and the course's mnist_parts.py, ddp_hardening.py in ddp_scripts/ for
-the data.
+(requirements-libraries.txt) and the course's mnist_parts.py, ddp_hardening.py in
+ddp_scripts/ for the data, and example_flags.py beside it.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the course's data and models
 from mnist_parts import build_model, load_split, prepare_data  # noqa: E402
+from example_flags import parse_args  # noqa: E402  (the flags, beside this file)
 
 
 def train(fabric, args):
@@ -63,26 +63,8 @@ def train(fabric, args):
             torch.save(model.module.state_dict(), args.save)  # .module: the model inside the wrappers
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nprocs", type=int, default=2)
-    p.add_argument("--model", default="linear", choices=["linear", "convnet", "mlp"])
-    p.add_argument("--batch-size", type=int, default=64, help="the global batch, all ranks together")
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--max-steps", type=int, default=50, help="optimizer steps")
-    p.add_argument("--eval-images", type=int, default=10_000, help="test images scored")
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "data"))
-    p.add_argument("--metrics-json", help="write the evaluation's counts here")
-    p.add_argument("--save", help="write the trained model's state_dict here")
-    args = p.parse_args(argv)
-    if args.batch_size % (args.accum * args.nprocs):
-        p.error(f"--batch-size {args.batch_size} must divide into --accum x --nprocs equal shares")
-    return args
-
-
 if __name__ == "__main__":
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     args.dataset = prepare_data("auto", args.data_dir)  # once, before the processes start
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=args.nprocs, strategy="ddp_spawn")

@@ -88,9 +88,10 @@ def test_the_back_to_back_all_reduce_reports_every_round_and_their_median():
     from helpers import free_port
 
     port, rounds = str(free_port()), 3
+    script = str(REPO / "ddp_scripts" / "allreduce_by_hand.py")
     procs = [subprocess.Popen([sys.executable, "-c", bench_netlab.BACK_TO_BACK, rank, "127.0.0.1", port,
-                               "0.001", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in ("0", "1")]
+                               "0.001", str(rounds), script], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in ("0", "1")]
     outs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outs
     data = json.loads(outs[0].strip().splitlines()[-1])

@@ -53,10 +53,10 @@ sys.path.insert(0, str(REPO / "tools" / "lab"))
 import netlab  # noqa: E402
 
 PREFIX = "ddpbench"
-# One rank per host: the all-reduce of allreduce_by_hand.py's measure(), ring and Gloo's, over the
-# lab's link; rank 0 prints the medians as JSON.
-ALL_REDUCE = """
-import importlib.util, json, os, sys
+# What both all-reduce measurements start with, one rank per host: allreduce_by_hand.py loaded (its
+# message_sizes() and measure()), the process group over the lab's link, the sizes.
+SETUP = """
+import importlib.util, json, os, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 rank, master, port, max_mb, repeats, script = sys.argv[1:]
@@ -68,34 +68,26 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=int(rank), world_size=2,
                         timeout=timedelta(seconds=300))
 sizes = by_hand.message_sizes(float(max_mb))
+"""
+# allreduce_by_hand.py's measure(), ring and Gloo's in turn; rank 0 prints the medians as JSON.
+ALL_REDUCE = SETUP + """
 medians = by_hand.measure(int(rank), 2, sizes, int(repeats), quiet=True)
 if rank == "0":
     print(json.dumps({"sizes": sizes, "medians": medians.tolist()}), flush=True)
 dist.destroy_process_group()
 """
-# One rank per host: Gloo's all-reduce alone, back to back (as nccl-tests times collectives): after
-# a barrier, a round of all-reduces (4 MiB in all, 4 to 64 of them) timed together (their mean); a
-# warm-up round, then `rounds` rounds; rank 0 prints each size's median round and every round, the
-# slower rank's, as JSON. A link capped by a token bucket shows here the rate its bucket refills at,
-# once the warm-up has spent the burst it saved while idle.
-BACK_TO_BACK = """
-import json, sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-rank, master, port, max_mb, rounds = sys.argv[1:]
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=int(rank), world_size=2,
-                        timeout=timedelta(seconds=300))
+# Gloo's all-reduce alone, back to back (as nccl-tests times collectives): after a barrier, a round
+# of all-reduces (4 MiB in all, 4 to 64 of them) timed together (their mean); a warm-up round, then
+# `repeats` rounds; rank 0 prints each size's median round and every round, the slower rank's, as
+# JSON. A link capped by a token bucket shows here the rate its bucket refills at, once the warm-up
+# has spent the burst it saved while idle.
+BACK_TO_BACK = SETUP + """
 def iterations(size):
     return max(4, min(64, 2**22 // size))
-sizes, size = [], 4
-while size <= float(max_mb) * 2**20:
-    sizes.append(size)
-    size *= 4
-means = torch.zeros(len(sizes), int(rounds), dtype=torch.float64)
+means = torch.zeros(len(sizes), int(repeats), dtype=torch.float64)
 for i, size in enumerate(sizes):
     x = torch.zeros(size // 4)  # zeros: the sums stay zero (no overflow, no denormals)
-    for k in range(-1, int(rounds)):  # k = -1: the warm-up round, not counted
+    for k in range(-1, int(repeats)):  # k = -1: the warm-up round, not counted
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iterations(size)):
@@ -152,9 +144,9 @@ def measure_all_reduce(lab, max_mb, repeats, back_to_back=False):
     back_to_back: Gloo's alone, `repeats` rounds of BACK_TO_BACK per size."""
     master, port = lab.address(lab.hosts[0]), lab.port()
     keys = ("torch",) if back_to_back else ("ring", "torch")
-    tail = [] if back_to_back else [REPO / "ddp_scripts" / "allreduce_by_hand.py"]
+    script = REPO / "ddp_scripts" / "allreduce_by_hand.py"  # message_sizes(), and measure() in turn
     results = both_hosts(lab, [[python(), "-c", BACK_TO_BACK if back_to_back else ALL_REDUCE, rank, master,
-                                port, max_mb, repeats, *tail] for rank in (0, 1)], timeout=900)
+                                port, max_mb, repeats, script] for rank in (0, 1)], timeout=900)
     for code, out in results:
         if code != 0:
             raise RuntimeError(f"the all-reduce across the lab failed:\n{out}")

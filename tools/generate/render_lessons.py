@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -27,6 +26,8 @@ from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from run_notebooks import execute  # noqa: E402  (papermill, as make notebooks runs them)
 PAGES = REPO / "docs" / "lessons"
 SCRIPT_DIRS = [REPO / "ddp_scripts", REPO / "tools" / "lab"]
 STAMP = re.compile(r"^<!-- rendered: (\{.*\}) -->$", re.M)
@@ -73,15 +74,12 @@ def stamp_of(page):
 def machine():
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    from bench import cores, cpu_name
+
     gpus = torch.cuda.device_count()
     gpu = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}", torch.__version__
+    return f"{cpu_name()}, {cores()} cores, {gpu}", torch.__version__
 
 
 def data_used(scripts):
@@ -210,19 +208,6 @@ def write_index(out):
         "| lesson | exercises | rendered on |\n|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
-def execute(source, executed):
-    import papermill
-
-    env_smoke = os.environ.pop("COURSE_SMOKE", None)
-    try:
-        papermill.execute_notebook(str(source), str(executed), cwd=str(Path(source).parent),
-                                   parameters={"SMOKE": False}, kernel_name="python3", progress_bar=False,
-                                   execution_timeout=1800)
-    finally:
-        if env_smoke is not None:
-            os.environ["COURSE_SMOKE"] = env_smoke
-
-
 def chosen_by(notebook, name):
     """A name picks the notebook of that exact name, else every one whose name starts with it."""
     exact = any(nb.stem == name for nb in notebooks())
@@ -273,7 +258,7 @@ def main():
                          f"{build}): run `make pages NB={source.stem}`")
             stamp = old  # the run's own facts: its machine, date and minutes
         elif not args.executed:
-            execute(source, executed)
+            execute(source, executed, smoke=False)
         stamp.setdefault("minutes", round((time.monotonic() - start) / 60, 1))
         page = render(executed, source, args.out, stamp, pages)
         print(f"  {stamp['minutes']:.1f} min -> {os.path.relpath(page, REPO)}", flush=True)

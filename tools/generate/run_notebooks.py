@@ -16,6 +16,13 @@ import papermill
 REPO = Path(__file__).resolve().parents[2]
 
 
+def execute(nb, out, smoke):
+    """Run one notebook with papermill into `out`, with SMOKE set, from the notebook's own folder (as
+    Jupyter and nbmake do). Raises papermill.PapermillExecutionError if a cell fails."""
+    papermill.execute_notebook(str(nb), str(out), cwd=str(Path(nb).parent), parameters={"SMOKE": smoke},
+                               kernel_name="python3", progress_bar=False, execution_timeout=1800)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path)
@@ -32,9 +39,7 @@ def main():
         print(f"[{number}/{len(notebooks)}] running {shown} (SMOKE={args.smoke}; {len(notebooks) - number} "
               f"after it) ...", flush=True)
         try:
-            papermill.execute_notebook(str(nb), str(args.out / nb.name), cwd=str(nb.parent),
-                                       parameters={"SMOKE": args.smoke}, kernel_name="python3",
-                                       progress_bar=False, execution_timeout=1800)
+            execute(nb, args.out / nb.name, args.smoke)
         except papermill.PapermillExecutionError as err:
             failed.append(nb.name)
             print(f"  FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
