@@ -264,7 +264,7 @@ def check_device(args, gpu=0):
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
         if args.amp == "fp16":
-            raise UsageError("--amp fp16 needs a GPU: use --amp bf16 (or off) with --device cpu")
+            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
         return
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "

@@ -37,7 +37,7 @@ def train(rank, local_rank, world_size, args):
     if args.deterministic:  # GPU kernels that give the same bits every run (CPU ones already do)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first use
         torch.use_deterministic_algorithms(True)  # cuDNN too; an op without such a kernel raises
-    # MNIST (200 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
+    # MNIST (220 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
     # x.to(device, non_blocking=True), so that the copy overlaps with the GPU's work.
@@ -289,7 +289,7 @@ def check_device(args, gpu=0):
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
         if args.amp == "fp16":
-            raise UsageError("--amp fp16 needs a GPU: use --amp bf16 (or off) with --device cpu")
+            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
         return
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "

@@ -49,7 +49,7 @@ from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positiv
 def train(rank, local_rank, world_size, args):
     torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    # MNIST (200 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
+    # MNIST (220 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
     # x.to(device, non_blocking=True), so that the copy overlaps with the GPU's work.
@@ -272,7 +272,7 @@ def check_device(args, gpu=0):
         if args.backend == "nccl":
             raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
         if args.amp == "fp16":
-            raise UsageError("--amp fp16 needs a GPU: use --amp bf16 (or off) with --device cpu")
+            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
         return
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "

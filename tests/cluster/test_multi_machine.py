@@ -107,7 +107,7 @@ def test_a_refusal_on_one_machine_stops_both_at_once(refusing, data_args):
     node_args = [[*GPU_SCRIPT_ON_CPU, *data_args] for _ in range(2)]
     node_args[refusing] += ["--amp", "fp16"]
     results, seconds = two_machines("mnist_ddp_gpu.py", node_args, procs=(2, 2))
-    line = assert_one_line_error(results, "mnist_ddp_gpu.py", "--amp fp16 needs a GPU")
+    line = assert_one_line_error(results, "mnist_ddp_gpu.py", "--amp fp16 is for GPUs")
     assert f"(rank 2, on {socket.gethostname()})" in line if refusing else "(rank" not in line
     assert not any("Connection was likely closed" in out for _, out in results), results
     assert seconds < 60  # not --timeout

@@ -8,7 +8,7 @@ from helpers import LIMIT_S, run_script, torchrun
 
 @pytest.mark.parametrize("script, args, expected, restarts", [
     ("mnist_ddp_cpu.py", ["--epochs", "0"], "--epochs", 2),  # the parser (through the roll call)
-    ("mnist_ddp_gpu.py", ["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs a GPU", 0),  # a check
+    ("mnist_ddp_gpu.py", ["--device", "cpu", "--amp", "fp16"], "--amp fp16 is for GPUs", 0),  # a check
 ])
 def test_under_torchrun_a_refusal_is_said_once(script, args, expected, restarts):
     start = time.monotonic()

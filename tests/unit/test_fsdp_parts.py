@@ -35,7 +35,7 @@ def write_checkpoint_record(folder, **changes):
 
 # --------------------------------------------------------------------------- refusals
 def test_fp16_on_a_cpu(monkeypatch, fsdp_script):
-    assert "--amp fp16 needs a GPU" in refused(fsdp_script, monkeypatch, "--amp", "fp16")
+    assert "--amp fp16 is for GPUs" in refused(fsdp_script, monkeypatch, "--amp", "fp16")
 
 
 def test_a_torch_without_fully_shard(monkeypatch, fsdp_script):

@@ -34,7 +34,7 @@ def test_default_nprocs_is_one_per_gpu(monkeypatch):
 @pytest.mark.parametrize("args, expected", [
     ([], "no CUDA device is visible"),
     (["--backend", "nccl", "--device", "cpu"], "NCCL needs CUDA tensors"),
-    (["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs a GPU"),
+    (["--device", "cpu", "--amp", "fp16"], "--amp fp16 is for GPUs"),
 ])
 def test_refusals_from_the_command_line(monkeypatch, args, expected):
     assert expected in refused_in_process(monkeypatch, args, gpus=0)
