@@ -25,7 +25,7 @@ from example_flags import parse_args  # noqa: E402  (the flags, beside this file
 
 def train(fabric, args):
     # Lesson 2: fabric.launch started the ranks and the process group; setup() wraps the model in
-    # DDP (strategy="ddp_spawn"), setup_dataloaders() gives each rank a DistributedSampler: every
+    # DDP (strategy="ddp_fork"), setup_dataloaders() gives each rank a DistributedSampler: every
     # world_size-th image, so each rank's batch is the global batch / world size, as in lesson 2.
     torch.manual_seed(0)
     model = build_model(args.model)
@@ -67,5 +67,8 @@ if __name__ == "__main__":
     args = parse_args(__doc__.splitlines()[0])
     args.dataset = prepare_data("auto", args.data_dir)  # once, before the processes start
     torch.set_num_threads(1)
-    fabric = Fabric(accelerator="cpu", devices=args.nprocs, strategy="ddp_spawn")
+    # "ddp_fork": the ranks are forked, and a forked process ends with os._exit. Spawned ("ddp_spawn"),
+    # each ends through Python's shutdown, where a Gloo thread can still abort it (SIGABRT after
+    # "terminate called without an active exception": docs/decisions/0008). Fork before CUDA is used.
+    fabric = Fabric(accelerator="cpu", devices=args.nprocs, strategy="ddp_fork")
     fabric.launch(train, args)  # starts --nprocs ranks, each calls train(fabric, args)
