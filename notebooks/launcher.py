@@ -36,6 +36,7 @@ that ended it) to `<status folder>/<pid>`.
 
     python notebooks/launcher.py SOCKET STATUS_FOLDER
 """
+import itertools
 import json
 import os
 import runpy
@@ -43,12 +44,19 @@ import signal
 import socket
 import sys
 
+WRITES = itertools.count()  # a name of its own for each status file that reap() writes
+
 
 def reap(signum, frame):
     """SIGCHLD: record the exit code of every child that has ended, then reap it. In that order:
     until its code is recorded, a child's poll() says it runs, and its pid (a zombie) must still
     take a signal (torchrun's agent signals a rank's process group when poll() says it runs; its
-    own children stay zombies until it polls them, so a rank reaped first made killpg fail)."""
+    own children stay zombies until it polls them, so a rank reaped first made killpg fail).
+    A SIGCHLD that arrives while this runs calls it again inside itself (Python runs a handler
+    between any two bytecodes), and that inner call may record and reap the child the outer one
+    is handling: so each write goes through a file of its own, and a child reaped already is
+    passed over (sharing one ".part" file, the outer call once found it moved away, and the
+    FileNotFoundError ended the server and every launch after it)."""
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # look, not reap
@@ -58,10 +66,14 @@ def reap(signum, frame):
             return
         code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         path = os.path.join(STATUS, str(info.si_pid))
-        with open(path + ".part", "w") as f:
+        part = f"{path}.{next(WRITES)}.part"
+        with open(part, "w") as f:
             f.write(str(code))
-        os.replace(path + ".part", path)
-        os.waitpid(info.si_pid, 0)  # now reap it
+        os.replace(part, path)
+        try:
+            os.waitpid(info.si_pid, 0)  # now reap it
+        except ChildProcessError:  # an inner call reaped it first
+            pass
 
 
 def run(request, stdio=()):
