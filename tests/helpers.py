@@ -123,6 +123,27 @@ def start_preloaded():
         os.environ["COURSE_LAUNCHER"] = PRELOADED.ensure_started()
 
 
+def kernels_on_unix_sockets():
+    """pytest_configure, where notebooks run: nbmake's Jupyter kernels listen on Unix sockets, not on
+    TCP ports that another process may take before the kernel binds them (tools/generate/kernels.py
+    says how that fails). nbmake builds nbclient's NotebookClient with no way to configure it: its
+    module's name for the class is replaced by one whose kernel manager is kernels.py's."""
+    import nbclient
+    import nbmake.nb_run
+    from traitlets import default
+
+    sys.path.insert(0, str(REPO / "tools" / "generate"))
+    from kernels import UnixSocketKernelManager
+
+    class CourseNotebookClient(nbclient.NotebookClient):
+        @default("kernel_manager_class")
+        def _unix_socket_kernels(self):
+            return UnixSocketKernelManager
+
+    if nbmake.nb_run.NotebookClient is nbclient.NotebookClient:  # (once in a process)
+        nbmake.nb_run.NotebookClient = CourseNotebookClient
+
+
 # The runs that compare weights (conftest's `trained`): the linear model, 25 steps on unshuffled
 # data, nothing random: far enough for a wrong average to show, short.
 EQUALITY_FLAGS = ["--model", "linear", "--no-shuffle", "--max-steps", "25", "--quiet"]

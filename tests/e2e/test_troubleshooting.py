@@ -75,9 +75,13 @@ import sys
 import nbclient
 import nbformat
 
+sys.path.insert(0, sys.argv[1])
+from kernels import UnixSocketKernelManager  # a kernel on Unix sockets (tools/generate/kernels.py)
+
 nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(sys.stdin.read())])
 try:
-    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3",
+                            kernel_manager_class=UnixSocketKernelManager).execute()
 except nbclient.exceptions.CellExecutionError:
     pass  # the error is the point; it is in the outputs
 for output in nb.cells[0].outputs:
@@ -99,8 +103,8 @@ def test_the_document_has_checked_sections_of_each_kind():
 def test_the_snippet_prints_what_the_document_quotes(tmp_path, title, how, code, expected):
     if how == "notebook":
         pytest.importorskip("nbclient")
-        r = subprocess.run([sys.executable, "-c", KERNEL], input=code, capture_output=True, text=True,
-                           timeout=120, cwd=tmp_path, env=script_env())
+        r = subprocess.run([sys.executable, "-c", KERNEL, str(REPO / "tools" / "generate")], input=code,
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=script_env())
         outputs = [r.stdout, r.stderr]  # the cell, the terminal
     else:
         source = HARNESS + "\n" + code + LAUNCH if how == "spawn" else code

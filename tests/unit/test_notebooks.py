@@ -161,6 +161,36 @@ def test_papermill_runs_a_notebook_with_its_parameters(tmp_path):
     assert r.returncode != 0 and "a cell that fails" in r.stdout + r.stderr
 
 
+def test_the_suites_kernels_listen_on_unix_sockets(tmp_path, monkeypatch):
+    """kernels_on_unix_sockets (notebooks/conftest.py): a notebook nbmake runs gets a kernel on
+    Jupyter's ipc transport, its socket files in a folder of the suite's own; nbmake left alone
+    (the control) starts it on TCP ports, which another process may take before the kernel binds."""
+    import os
+
+    import nbclient
+    import nbmake.nb_run
+    from helpers import kernels_on_unix_sockets
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from ipykernel.kernelapp import IPKernelApp\n"
+                                          "app = IPKernelApp.instance()\nprint(app.transport, app.ip)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nb, path)
+
+    def transport_and_address():
+        result = nbmake.nb_run.NotebookRun(path, 120).execute()
+        assert result.error is None, result.error
+        return result.nb.cells[0].outputs[0]["text"].split()
+
+    monkeypatch.setattr(nbmake.nb_run, "NotebookClient", nbclient.NotebookClient)
+    assert transport_and_address() == ["tcp", "127.0.0.1"]
+    kernels_on_unix_sockets()
+    transport, address = transport_and_address()
+    assert transport == "ipc", transport
+    assert os.path.basename(os.path.dirname(address)).startswith("course-kernels-"), address
+
+
 def test_plain_runner_executes_code_cells_without_jupyter(tmp_path):
     """tools/generate/run_notebook_plain.py, for the GPU machine that has no Jupyter: cells share one
     namespace, run in the notebook's folder, display() prints, magics are skipped, errors fail."""

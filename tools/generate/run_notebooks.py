@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import papermill
+from kernels import UnixSocketKernelManager
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,8 @@ def execute(nb, out, smoke):
     """Run one notebook with papermill into `out`, with SMOKE set, from the notebook's own folder (as
     Jupyter and nbmake do). Raises papermill.PapermillExecutionError if a cell fails."""
     papermill.execute_notebook(str(nb), str(out), cwd=str(Path(nb).parent), parameters={"SMOKE": smoke},
-                               kernel_name="python3", progress_bar=False, execution_timeout=1800)
+                               kernel_name="python3", progress_bar=False, execution_timeout=1800,
+                               kernel_manager_class=UnixSocketKernelManager)  # (kernels.py says why)
 
 
 def main():
