@@ -14,7 +14,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraint
 TORCH_INDEX ?=
 
 .PHONY: help setup base graph data demo test test-quick lab notebooks pages bench gpu-check kaggle \
-	figures study-times netlab-up netlab-down clean
+	figures study-times times netlab-up netlab-down clean
 .DEFAULT_GOAL := help
 
 $(BASE): requirements.txt constraints.txt
@@ -114,6 +114,9 @@ figures: $(BASE)  ## redraw the figures that need no benchmark run (the GCN batc
 
 study-times: $(DEV)  ## rewrite each lesson's study-time estimate (and the README's) from its words and exercises
 	$(PY) tools/generate/study_time.py --write
+
+times: $(DEV)  ## rewrite each lesson's compute times (page, README) from its rendered run and docs/measured/smoke_times.json
+	$(PY) tools/generate/compute_times.py --write
 
 help:  ## this list
 	@awk 'BEGIN {FS = ":.*## "} /^##@/ {printf "\n%s\n", substr($$0, 5)} \

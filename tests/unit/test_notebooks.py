@@ -1,5 +1,6 @@
 """The notebooks: committed without outputs, parameterised for papermill, each run as a test by
 nbmake (smoke mode), with exercises and their solutions; and the tools that run them."""
+import json
 import re
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "tools" / "generate"))
+import compute_times  # noqa: E402
 import study_time  # noqa: E402
 
 LESSONS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -57,25 +59,57 @@ def test_first_cell_says_how_long_and_on_what(path):
     assert "**Hardware:**" in first.source
 
 
-def stated_times(path):
-    """(smoke, full) as the lesson's first cell states them, e.g. ("20 s", "2.5 min")."""
-    first = nbformat.read(path, as_version=4).cells[0].source
-    found = re.search(r"\*\*Time:\*\* about ([\d.]+ (?:s|minutes?)) in smoke mode \(`SMOKE = True`\) "
-                      r"and ([\d.]+ (?:s|minutes?)) in full", first)
-    assert found, first[-400:]
-    return tuple(re.sub(r" minutes?", " min", t) for t in found.groups())
+@pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)
+def test_each_lesson_states_the_times_its_runs_took(path):
+    """A lesson's **Time:** line, its rendered page's and the README's row state the measured runs
+    (tools/generate/compute_times.py): smoke mode's from docs/measured/smoke_times.json, in full the
+    rendered page's stamp; the README says the same at the rounding the line uses."""
+    line = compute_times.sentence(path.stem)
+    assert compute_times.stated(nbformat.read(path, as_version=4).cells[0].source) == line, \
+        f"{path.name}: run `make times`"
+    assert compute_times.stated((compute_times.PAGES / f"{path.stem}.md").read_text()) == line, \
+        f"{path.stem}.md: run `make times`"
+    smoke, full = (t.replace(" minutes", " min") for t in compute_times.times(path.stem))
+    row = re.search(rf"^\| {int(path.name[:2])} \| \[.*\| ([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min)) \| "
+                    rf"(\d+) min \|$", (REPO / "README.md").read_text(), re.M)
+    assert row, f"README.md's lesson table has no time for {path.name}"
+    assert (row[1], row[2]) == (smoke, full), f"{path.name}: run `make times`"
+    assert int(row[3]) == study_time.stated(path), f"{path.name}: run `make study-times`"
 
 
-def test_readme_gives_each_lessons_times_as_its_notebook_does():
-    """The README's lesson table and the notebooks' first cells quote the same measurement."""
-    readme = (REPO / "README.md").read_text()
-    assert len(readme.encode()) <= 12_000, "README.md is over 12 KB: move detail to docs/"
-    for path in LESSONS:
-        row = re.search(rf"^\| {int(path.name[:2])} \| \[.*\| ([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min)) \| "
-                        rf"(\d+) min \|$", readme, re.M)
-        assert row, f"README.md's lesson table has no time for {path.name}"
-        assert (row[1], row[2]) == stated_times(path), path.name
-        assert int(row[3]) == study_time.stated(path), f"{path.name}: run `make study-times`"
+def test_times_are_rounded_as_a_reader_needs_them():
+    assert [compute_times.rounded(s) for s in (3.4, 9.6, 44, 84, 86, 100, 140, 3600)] == \
+        ["3 s", "10 s", "40 s", "80 s", "90 s", "1.5 minutes", "2.5 minutes", "60 minutes"]
+
+
+def test_the_time_line_names_each_runs_machine_and_date(tmp_path, monkeypatch):
+    """compute_times.py: a smoke run recorded (merged into the record, this machine, today) and a
+    rendered page's stamp make one sentence; one machine named once, two each with its run."""
+    monkeypatch.setattr(compute_times, "SMOKE_TIMES", tmp_path / "smoke_times.json")
+    monkeypatch.setattr(compute_times, "PAGES", tmp_path)
+    monkeypatch.setattr(compute_times, "machine", lambda: ("AMD EPYC, 2 cores, no GPU", "2.14.1"))
+    compute_times.record_smoke({"01_x": 12.3})
+    compute_times.record_smoke({"02_y": 4.0})
+    record = json.loads(compute_times.SMOKE_TIMES.read_text())
+    assert record["01_x"]["seconds"] == 12.3 and record["02_y"]["machine"] == "AMD EPYC, 2 cores, no GPU"
+    stamp = {"machine": "AMD EPYC, 2 cores, no GPU", "date": "2026-12-06", "minutes": 2.8}
+    (tmp_path / "01_x.md").write_text(f"<!-- rendered: {json.dumps(stamp)} -->\n# Lesson\n")
+    today = record["01_x"]["date"]
+    assert compute_times.sentence("01_x") == (
+        "**Time:** 10 s in smoke mode (`SMOKE = True`), 3 minutes in full, measured on AMD EPYC, 2 cores, "
+        f"no GPU ({today}; 2026-12-06).")
+    stamp["machine"] = "Intel Xeon, 2 cores, no GPU"
+    (tmp_path / "01_x.md").write_text(f"<!-- rendered: {json.dumps(stamp)} -->\n# Lesson\n")
+    line = compute_times.sentence("01_x")
+    assert line == (f"**Time:** 10 s in smoke mode (`SMOKE = True`) on AMD EPYC, 2 cores, no GPU ({today}), "
+                    "3 minutes in full on Intel Xeon, 2 cores, no GPU (2026-12-06).")
+    assert compute_times.stated(f"# L\n\n{line}\n\n**Hardware:** any") == line
+    with pytest.raises(SystemExit, match="no rendered page"):
+        compute_times.sentence("02_y")
+
+
+def test_the_readme_is_short():
+    assert len((REPO / "README.md").read_bytes()) <= 12_000, "README.md is over 12 KB: move detail to docs/"
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=LESSON_IDS)

@@ -120,3 +120,21 @@ def test_a_script_named_in_a_notebooks_code_is_one_it_launches():
     assert render_lessons.launched_scripts(lesson9)[:2] == ["ddp_scripts/allreduce_by_hand.py",
                                                             "ddp_scripts/mnist_by_hand.py"]
     assert all((REPO / s).is_file() for nb in NOTEBOOKS for s in render_lessons.launched_scripts(nb))
+
+
+def test_the_hash_of_a_notebooks_cells_leaves_out_only_its_time_line(tmp_path):
+    """compute_times.py writes a lesson's **Time:** line after its run, from that run: the line leaves
+    the page current; any other edit of the cell makes it stale."""
+    def hash_of(first_cell):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_markdown_cell(first_cell), nbformat.v4.new_code_cell("SMOKE = True")]
+        path = tmp_path / "01_x.ipynb"
+        nbformat.write(nb, path)
+        return render_lessons.cells_hash(path)
+
+    line = ("**Time:** {} in smoke mode (`SMOKE = True`), 70 s in full, measured on AMD EPYC, 2 cores, "
+            "no GPU (2026-12-07; 2026-12-06).")
+    cell = "# Lesson\n\n{}\n\n**Hardware:** any CPU."
+    first = cell.format(line.format("20 s"))
+    assert hash_of(first) == hash_of(cell.format(line.format("3 minutes")))
+    assert hash_of(first) != hash_of(first.replace("any CPU", "a CPU"))

@@ -27,10 +27,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+import compute_times  # noqa: E402  (the lessons' **Time:** lines)
+from compute_times import STAMP, machine  # noqa: E402
 from run_notebooks import execute  # noqa: E402  (papermill, as make notebooks runs them)
 PAGES = REPO / "docs" / "lessons"
 SCRIPT_DIRS = [REPO / "ddp_scripts", REPO / "tools" / "lab"]
-STAMP = re.compile(r"^<!-- rendered: (\{.*\}) -->$", re.M)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -45,9 +46,11 @@ def sha256(data):
 
 
 def cells_hash(path):
-    """The notebook's cells as a reader sees them: each one's type and source, prose and code."""
+    """The notebook's cells as a reader sees them: each one's type and source, prose and code; a
+    lesson's `**Time:**` line left out (it states the runs, compute_times.py writes it)."""
     cells = json.loads(Path(path).read_text())["cells"]
-    return sha256(json.dumps([[c["cell_type"], "".join(c["source"])] for c in cells]))
+    return sha256(json.dumps([[c["cell_type"], compute_times.without_line("".join(c["source"]))]
+                              for c in cells]))
 
 
 def launched_scripts(path):
@@ -69,17 +72,6 @@ def stamp_of(page):
     """The stamp a rendered page carries, as a dict (None when it has none)."""
     match = STAMP.search(Path(page).read_text())
     return json.loads(match.group(1)) if match else None
-
-
-def machine():
-    import torch
-
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
-    from bench import cores, cpu_name
-
-    gpus = torch.cuda.device_count()
-    gpu = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
-    return f"{cpu_name()}, {cores()} cores, {gpu}", torch.__version__
 
 
 def data_used(scripts):
@@ -262,6 +254,11 @@ def main():
         stamp.setdefault("minutes", round((time.monotonic() - start) / 60, 1))
         page = render(executed, source, args.out, stamp, pages)
         print(f"  {stamp['minutes']:.1f} min -> {os.path.relpath(page, REPO)}", flush=True)
+        if args.out == PAGES and source.parent.name == "notebooks":
+            try:  # the lesson's **Time:** line, from this run and the smoke record
+                compute_times.write(source.stem)
+            except SystemExit as missing:
+                print(f"  its **Time:** line is left as it was: {missing}", flush=True)
     if not args.executed:
         write_index(args.out)
     print(f"rendered {len(chosen)} page(s) in {(time.monotonic() - start_all) / 60:.1f} minutes")

@@ -3,6 +3,8 @@
     python tools/generate/run_notebooks.py            # full runs
     python tools/generate/run_notebooks.py --smoke    # SMOKE=True: tiny runs, a minute or two in all
     python tools/generate/run_notebooks.py notebooks/02_ddp_cpu_gloo.ipynb
+    python tools/generate/run_notebooks.py --smoke --record-times notebooks/[0-9]*.ipynb
+        # each lesson's smoke time into docs/measured/smoke_times.json (`make times` writes it in)
 
 Each notebook runs with notebooks/ as its working directory (as Jupyter and nbmake do).
 """
@@ -11,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import compute_times
 import papermill
 from kernels import UnixSocketKernelManager
 
@@ -30,10 +33,12 @@ def main():
     parser.add_argument("notebooks", nargs="*", type=Path)
     parser.add_argument("--smoke", action="store_true", help="run with SMOKE=True")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "notebooks")
+    parser.add_argument("--record-times", action="store_true", help="with --smoke: record each lesson's "
+                        "time in docs/measured/smoke_times.json (compute_times.py)")
     args = parser.parse_args()
     notebooks = args.notebooks or sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)
-    failed = []
+    failed, seconds = [], {}
     for number, nb in enumerate(notebooks, 1):
         nb = nb.resolve()
         start = time.perf_counter()
@@ -46,8 +51,12 @@ def main():
             failed.append(nb.name)
             print(f"  FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
             continue
-        print(f"  ok in {time.perf_counter() - start:.0f} s -> {args.out / nb.name}",
-              flush=True)
+        seconds[nb.stem] = time.perf_counter() - start
+        print(f"  ok in {seconds[nb.stem]:.0f} s -> {args.out / nb.name}", flush=True)
+    lessons = {lesson.stem for lesson in compute_times.lessons()}
+    if args.record_times and args.smoke:
+        compute_times.record_smoke({stem: s for stem, s in seconds.items() if stem in lessons})
+        print(f"recorded the lessons' smoke times in {compute_times.SMOKE_TIMES.relative_to(REPO)}")
     if failed:
         sys.exit(f"{len(failed)} notebook(s) failed: {', '.join(failed)}")
 
