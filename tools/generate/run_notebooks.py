@@ -1,7 +1,7 @@
 """Execute every course notebook with papermill, as a user's CI would, into build/notebooks/.
 
     python tools/generate/run_notebooks.py            # full runs
-    python tools/generate/run_notebooks.py --smoke    # SMOKE=True: tiny runs, a minute or two in all
+    python tools/generate/run_notebooks.py --smoke    # SMOKE=True: a few steps a run (the lessons: 11 min)
     python tools/generate/run_notebooks.py notebooks/02_ddp_cpu_gloo.ipynb
     python tools/generate/run_notebooks.py --smoke --record-times notebooks/[0-9]*.ipynb
         # each lesson's smoke time into docs/measured/smoke_times.json (`make times` writes it in)
@@ -36,6 +36,8 @@ def main():
     parser.add_argument("--record-times", action="store_true", help="with --smoke: record each lesson's "
                         "time in docs/measured/smoke_times.json (compute_times.py)")
     args = parser.parse_args()
+    if args.record_times and not args.smoke:
+        parser.error("--record-times records smoke-mode times: add --smoke")
     notebooks = args.notebooks or sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)
     failed, seconds = [], {}
@@ -53,8 +55,8 @@ def main():
             continue
         seconds[nb.stem] = time.perf_counter() - start
         print(f"  ok in {seconds[nb.stem]:.0f} s -> {args.out / nb.name}", flush=True)
-    lessons = {lesson.stem for lesson in compute_times.lessons()}
-    if args.record_times and args.smoke:
+    if args.record_times:
+        lessons = {lesson.stem for lesson in compute_times.lessons()}
         compute_times.record_smoke({stem: s for stem, s in seconds.items() if stem in lessons})
         print(f"recorded the lessons' smoke times in {compute_times.SMOKE_TIMES.relative_to(REPO)}")
     if failed:
