@@ -29,10 +29,15 @@ SMOKE_TIMES = REPO / "docs" / "measured" / "smoke_times.json"
 PAGES = REPO / "docs" / "lessons"
 LINE = re.compile(r"^\*\*Time:\*\* .* in full\b.*$", re.M)
 STAMP = re.compile(r"^<!-- rendered: (\{.*\}) -->$", re.M)
+sys.path.insert(0, str(Path(__file__).parent))
+from study_time import lessons  # noqa: E402,F401  (the lessons, as the study times find them)
 
 
-def lessons():
-    return sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+def readme_row(number):
+    """The README's lesson-table row of a lesson; its groups: before, smoke, full, after (the study
+    time's cell, whose minutes are group 5)."""
+    return re.compile(rf"^(\| {number} \| \[.*\| )([\d.]+ (?:s|min)) / ([\d.]+ (?:s|min))( \| (\d+) min \|)$",
+                      re.M)
 
 
 def machine():
@@ -61,13 +66,12 @@ def record_smoke(seconds):
 
 
 def rounded(seconds):
-    """'7 s', '40 s', '2.5 minutes' (the README's table writes 'min')."""
+    """'7 s', '40 s', '2.5 minutes' (at least 90 s: never '1 minute')."""
     if seconds < 9.5:
         return f"{max(1, round(seconds))} s"
     if seconds < 90:
         return f"{round(seconds / 10) * 10} s"
-    minutes = round(seconds / 30) / 2
-    return f"{minutes:g} minute{'' if minutes == 1 else 's'}"
+    return f"{round(seconds / 30) / 2:g} minutes"
 
 
 def measured(stem):
@@ -83,16 +87,18 @@ def measured(stem):
     return smoke, json.loads(found[1])
 
 
-def times(stem):
-    """(smoke, full) as the lesson states them, e.g. ('20 s', '70 s')."""
+def times(stem, table=False):
+    """(smoke, full) as the lesson states them, e.g. ('20 s', '2.5 minutes'); as the README's table
+    writes them with `table` ('20 s', '2.5 min')."""
     smoke, stamp = measured(stem)
-    return rounded(smoke["seconds"]), rounded(stamp["minutes"] * 60)
+    both = rounded(smoke["seconds"]), rounded(stamp["minutes"] * 60)
+    return tuple(t.replace(" minutes", " min") for t in both) if table else both
 
 
 def sentence(stem):
     """The lesson's line: each time, and where and when it was measured (smoke mode's date first)."""
     smoke, stamp = measured(stem)
-    fast, full = rounded(smoke["seconds"]), rounded(stamp["minutes"] * 60)
+    fast, full = times(stem)
     if smoke["machine"] == stamp["machine"]:
         return (f"**Time:** {fast} in smoke mode (`SMOKE = True`), {full} in full, measured on "
                 f"{smoke['machine']} ({smoke['date']}; {stamp['date']}).")
@@ -129,9 +135,8 @@ def write(stem):
         page.write_text(LINE.sub(lambda _: line, text, count=1))
     readme = REPO / "README.md"
     text = readme.read_text()
-    smoke, full = (t.replace(" minutes", " min") for t in times(stem))
-    new, n = re.subn(rf"^(\| {int(stem[:2])} \| .*\| )[\d.]+ (?:s|min) / [\d.]+ (?:s|min)( \| \d+ min \|)$",
-                     lambda m: f"{m[1]}{smoke} / {full}{m[2]}", text, flags=re.M)
+    smoke, full = times(stem, table=True)
+    new, n = readme_row(int(stem[:2])).subn(lambda m: f"{m[1]}{smoke} / {full}{m[4]}", text)
     if n != 1:
         sys.exit(f"compute_times: README.md has no lesson-table row for lesson {int(stem[:2])}")
     if new != text:
