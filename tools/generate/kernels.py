@@ -10,6 +10,7 @@ this process's own: there is no such window. Pass `kernel_manager_class=UnixSock
 to nbclient's NotebookClient or to papermill.execute_notebook.
 """
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -18,15 +19,13 @@ import uuid
 from jupyter_client import AsyncKernelManager
 from traitlets import default
 
-_FOLDER = []
 
-
+@functools.cache
 def sockets_folder():
-    """This process's folder for its kernels' socket files, removed when it exits."""
-    if not _FOLDER:
-        _FOLDER.append(tempfile.mkdtemp(prefix="course-kernels-"))
-        atexit.register(shutil.rmtree, _FOLDER[0], ignore_errors=True)
-    return _FOLDER[0]
+    """This process's folder for its kernels' socket files (made once), removed when it exits."""
+    folder = tempfile.mkdtemp(prefix="course-kernels-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 class UnixSocketKernelManager(AsyncKernelManager):
