@@ -25,8 +25,10 @@ snapshots (lesson 4's own hardening is in gcn_parts.py). Why each piece exists:
 docs/decisions/ (the roll call, the per-round keys, the data in turns, the exit through leave()).
 """
 import argparse
+import contextlib
 import json
 import os
+import random
 import socket
 import sys
 import threading
@@ -102,10 +104,17 @@ def save_whole(obj, path):
 
 
 def free_port():
-    """A port that nothing listens on now (the OS picks it): where rank 0 waits for the others."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A port that nothing listens on now, for rank 0: drawn below the range Linux hands out for port
+    0 and outgoing connections (ip_local_port_range), so that none takes it before rank 0 binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            below = range(20000, int(f.read().split()[0]))  # empty when that range starts lower
+    except OSError:  # not Linux
+        below = range(0)
+    for port in random.SystemRandom().sample(below, min(len(below), 50)) + [0]:  # 0: the OS picks
+        with socket.socket() as s, contextlib.suppress(OSError):  # in use: the next
+            s.bind(("", port))
+            return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- the hardening

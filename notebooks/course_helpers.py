@@ -113,12 +113,12 @@ def lesson_text(script):
 
 
 def free_port():
-    """A port that nothing listens on now: a meeting point for torchrun agents started by hand."""
-    import socket
+    """A port that nothing listens on now: a meeting point for torchrun agents started by hand. The
+    scripts' own (ddp_hardening.free_port), drawn where no connection opened meanwhile can take it."""
+    sys.path.insert(0, str(SCRIPTS))
+    import ddp_hardening
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ddp_hardening.free_port()
 
 
 def run_machines(commands, timeout=600, interleave=True, on_line=None):

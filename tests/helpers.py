@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "notebooks"))  # the launcher, the notebooks' helpers: tests use them
-from course_helpers import COURSE_MODULES  # noqa: E402
+from course_helpers import COURSE_MODULES, free_port  # noqa: E402, F401  (free_port: for the tests)
 from launcher import Launcher  # noqa: E402
 
 SCRIPTS = REPO / "ddp_scripts"
@@ -166,12 +165,6 @@ def max_abs_diff(a, b):
 def max_difference(path_a, path_b):
     """max_abs_diff of two saved state_dicts."""
     return max_abs_diff(torch.load(path_a), torch.load(path_b))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_idx(path, tensor):

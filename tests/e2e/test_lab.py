@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import REPO
+from helpers import REPO, free_port
 
 pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (make setup installs it)")
 
@@ -43,14 +43,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 TARGET = re.compile(r"\]\(\s*<?([^)\s>]+)")
 HTML_LINK = re.compile(r"<a\b[^>]*\bhref=[\"']([^\"']+)")
 HTML_IMAGE = re.compile(r"<img\b[^>]*\bsrc=[\"']([^\"']+)")
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The server is on this machine: asked directly, never through a proxy the environment names (a
@@ -93,29 +85,25 @@ def lab(tmp_path_factory):
     env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_DATA_DIR": str(tmp_path / "data"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     log = tmp_path / "lab.log"
-    # The port is free when chosen, but the suite's other worker opens connections all the time, and
-    # one may take it before the server binds it. Jupyter would then quietly serve on the next port
-    # (port_retries): with none allowed it exits instead, and the fixture tries a new port.
-    for attempt in range(3):
-        port = port if attempt == 0 else free_port()
-        with open(log, "w") as err:
-            server = subprocess.Popen(["make", "-s", "lab", f"LAB_PORT={port}",
-                                       f"LAB_FLAGS={flags} --ServerApp.port_retries=0"], cwd=REPO,
-                                      stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-        lab = Lab(port, token)
-        deadline = time.monotonic() + 120
-        while server.poll() is None:
-            try:
-                lab.request("api/status")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    stop_server(server)
-                    raise AssertionError(f"JupyterLab did not answer in 120 s:\n{log.read_text()[-2000:]}")
-                time.sleep(1)
-        if server.poll() is None:
+    # free_port() draws below the ports the OS hands out, so that none of the connections the suite's
+    # other worker opens meanwhile takes it. Should it be taken all the same, Jupyter would quietly
+    # serve on the next port (port_retries): with none allowed it exits, and the fixture says why.
+    with open(log, "w") as err:
+        server = subprocess.Popen(["make", "-s", "lab", f"LAB_PORT={port}",
+                                   f"LAB_FLAGS={flags} --ServerApp.port_retries=0"], cwd=REPO,
+                                  stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    lab = Lab(port, token)
+    deadline = time.monotonic() + 120
+    while server.poll() is None:
+        try:
+            lab.request("api/status")
             break
-        assert "already in use" in log.read_text() and attempt < 2, log.read_text()[-2000:]
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_server(server)
+                raise AssertionError(f"JupyterLab did not answer in 120 s:\n{log.read_text()[-2000:]}")
+            time.sleep(1)
+    assert server.poll() is None, f"JupyterLab exited:\n{log.read_text()[-2000:]}"
     try:
         yield lab
     finally:

@@ -56,3 +56,45 @@ def test_progress_lines_when_the_output_is_not_a_terminal(monkeypatch, capsys, s
     assert first.startswith("  [epoch 1] ") and "/400 steps" in first and "samples/s" in first
     assert first.endswith(" s left")
     assert list(module.progress(steps, "epoch 1", False)) == steps and capsys.readouterr().out == ""
+
+
+def test_free_ports_are_drawn_where_no_other_connection_can_take_them(monkeypatch):
+    """free_port()'s port is bound seconds later (by rank 0 after the workers start, by a torchrun
+    agent, a Jupyter server): meanwhile, every connection this machine opens and every bind to port 0
+    takes a port of ip_local_port_range, so one drawn there by the OS could be gone (a kernel of the
+    suite once failed so). Drawn below that range, it cannot; a port in use is passed over; where
+    the range cannot be read, or leaves no room below it, the OS picks."""
+    import socket
+    from pathlib import Path
+
+    hardening = load_script("ddp_hardening")
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ranges.exists():
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range: not Linux")
+    low, high = map(int, ranges.read_text().split())
+    if low <= 20000:
+        pytest.skip(f"this machine's ip_local_port_range starts at {low}: no room below it")
+    assert all(20000 <= hardening.free_port() < low for _ in range(200))
+    # The control: what the OS hands out, to outgoing connections and to port 0, lies in the range.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        clients = [socket.create_connection(server.getsockname()) for _ in range(50)]
+        bound = [socket.socket() for _ in range(50)]
+        for s in bound:
+            s.bind(("", 0))
+        taken = [s.getsockname()[1] for s in clients + bound]
+        for s in clients + bound:
+            s.close()
+    assert all(low <= port <= high for port in taken)
+    # A port in use is passed over; when every draw is in use, the OS's pick.
+    with socket.create_server(("", hardening.free_port())) as busy:
+        port = busy.getsockname()[1]
+        monkeypatch.setattr(hardening.random.SystemRandom, "sample", lambda self, ports, k: [port] * k)
+        picked = hardening.free_port()
+        assert picked != port and low <= picked <= high
+    monkeypatch.undo()
+
+    def not_linux(*args, **kwargs):
+        raise FileNotFoundError("no /proc")
+
+    monkeypatch.setattr(hardening, "open", not_linux, raising=False)
+    assert low <= hardening.free_port() <= high

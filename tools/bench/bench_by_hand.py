@@ -36,7 +36,6 @@ import json
 import os
 import re
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "figures"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "figures"), str(SCRIPTS)]
+import ddp_hardening as hardening  # noqa: E402  (free_port)
 import draw_overlap_trace  # noqa: E402  (the trace parsing)
 
 MODES = ["per-tensor", "flat", "overlap", "bucketed"]
@@ -205,14 +205,9 @@ def worker(rank, port, task, out):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def launch(task, out):
-    mp.start_processes(worker, args=(free_port(), task, str(out)), nprocs=WORLD, start_method="spawn")
+    port = hardening.free_port()
+    mp.start_processes(worker, args=(port, task, str(out)), nprocs=WORLD, start_method="spawn")
     return json.loads(Path(out).read_text())
 
 
@@ -330,7 +325,6 @@ def main():
         return
     if args.block < 2:
         sys.exit("bench_by_hand: --block must be at least 2 (its first step is not kept)")
-    sys.path.insert(0, str(SCRIPTS))
     import mnist_parts
 
     dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
