@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -109,12 +108,18 @@ def missing_requirements(install=True):
 
 
 def free_ports(n):
-    """n distinct TCP ports free on this machine now."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return tuple(s.getsockname()[1] for s in sockets)
+    """n distinct TCP ports free on this machine now, for a cluster without a lab (the daemons share
+    this machine's ports), drawn as the scripts draw theirs: below the OS's ephemeral range, so that
+    no connection takes one before a daemon binds it. Needs the course's Python (torch)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ddp_scripts"))
+    from ddp_hardening import free_port
+
+    ports = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return tuple(ports)
 
 
 def slurm_conf(workdir, nodes, controller, *, ports, cpus=2, cluster_name="ddplab"):
