@@ -11,7 +11,7 @@ batch, and the weights end where one process's would on the same batches.
   --mode tp  splits the two large layers across the processes (a slice of each weight matrix on each).
   --mode pp  gives each process a few whole layers (a stage) and passes activations along, one
              micro-batch after another, so that the stages work at the same time. Try --microbatches
-             1, 2, 4, 8: the idle share (the bubble) shrinks, but each micro-batch has its own costs.
+             1, 2, 4, 8: the bubble (N-1)/(M+N-1) shrinks, but each micro-batch has costs of its own.
              --metrics-json keeps when each stage ran each micro-batch's forward and backward.
 A teaching script, Gloo on CPU: it reads the data that mnist_single.py (or any lesson script) has
 prepared, and it has none of the hardening of mnist_ddp_cpu.py.
@@ -127,7 +127,8 @@ def train_pp(rank, world_size, args, model, images, labels):
     # 1. Stage r holds whole layers: with 2 ranks, stage 0 holds layers 0-2 (Flatten, Linear(784, W),
     #    ReLU) and stage 1 layers 3-5 (Linear(W, W), ReLU, Linear(W, 10)); with 3, one Linear each.
     #    A slice of an nn.Sequential keeps the layers' names ("3.weight"), so the parts reassemble.
-    #    The stages are unequal (784 x W weights against W x W): the larger one sets the pace.
+    #    The stages need not take equally long (stage 0: 784 x W weights, and no gradient for the
+    #    images; stage 1: W x W and W x 10): the slower one sets the pace.
     bounds = [0, *CUTS[:world_size - 1], len(model)]
     part = model[bounds[rank]:bounds[rank + 1]]
     timeline = Timeline()  # when this stage ran each micro-batch's forward and backward
@@ -396,9 +397,10 @@ def parse_args(argv=None):
     if args.mode == "pp" and args.nprocs > len(CUTS) + 1:
         raise UsageError(f"--nprocs {args.nprocs}: the MLP has {len(CUTS) + 1} linear layers, so at "
                          f"most {len(CUTS) + 1} pipeline stages")
-    if args.mode == "pp" and args.schedule != "gpipe" and args.microbatches < args.nprocs:
-        raise UsageError(f"--schedule {args.schedule} needs at least as many micro-batches as stages: "
-                         f"--microbatches {args.microbatches} < --nprocs {args.nprocs}")
+    if args.mode == "pp" and args.schedule == "1f1b" and args.microbatches < args.nprocs:
+        raise UsageError(f"--schedule 1f1b (torch's Schedule1F1B) needs at least as many micro-batches as "
+                         f"stages: --microbatches {args.microbatches} < --nprocs {args.nprocs} (1f1b-by-hand "
+                         f"takes any number)")
     if args.mode == "pp" and args.batch_size % args.microbatches:
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "
                          f"{args.batch_size}: every micro-batch must have the same size")
