@@ -57,14 +57,16 @@ def train(rank, local_rank, world_size, args):
     test_images, test_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, False))
 
     # 2. Instantiate the model on this rank's GPU, then wrap it, or shard it. The same seed gives
-    #    every rank the same start; a per-rank seed afterwards decorrelates dropout.
+    #    every rank the same start (DDP would broadcast rank 0's weights anyway; fully_shard sends
+    #    nothing, and relies on it); a per-rank seed afterwards decorrelates dropout.
     torch.manual_seed(args.seed)
     model = build_model(args.model).to(device)
     if args.shard == "fsdp":
         # FSDP2: fully_shard makes each parameter of a layer a DTensor split along dim 0 across
         # the mesh (all ranks): rank r keeps block r of N blocks of rows. Forward, and backward,
         # all-gather the layer whole and free it after; backward reduce-scatters the gradients, so
-        # each rank gets the average of its own rows. A unit per layer, then the root for the rest.
+        # each rank gets the average of its own rows. A unit per layer, then the root for the rest
+        # (reshard_after_forward's default: inner units free their layer after forward, the root not).
         mesh = init_device_mesh(device.type, (world_size,))
         for layer in model.modules():
             if layer is not model and any(True for _ in layer.parameters(recurse=False)):
@@ -76,9 +78,10 @@ def train(rank, local_rank, world_size, args):
     # AdamW keeps two running averages per parameter: its state is twice the model's size.
     if args.shard == "zero":
         # ZeRO stage 1: the parameters are dealt out whole into N shares; each rank keeps AdamW's
-        # state for its share only, updates it after the all-reduce, and broadcasts it to the others.
+        # state for its share only, updates that share after the all-reduce, and broadcasts the
+        # updated parameters to the others.
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
-    else:  # under FSDP, an AdamW of the shards: its state is sharded as they are
+    else:  # under DDP, of the whole parameters; under FSDP, of the shards: its state sharded as they are
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
     # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
