@@ -108,7 +108,7 @@ def check_enough_seeds(split, world_size):
 # --------------------------------------------------------------------------- training
 def neighbor_loader(data, nodes, sampler, args):
     """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
-    pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
+    pinned memory when they go to a GPU, so that the host need not wait for the copy (lesson 3)."""
     from torch_geometric.loader import NeighborLoader
 
     return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
@@ -273,9 +273,12 @@ def check_device(args, gpu=0):
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
-                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if procs > gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
+                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
+        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
+                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
     if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
         raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
                          f"capability 8.0 it is emulated, slowly): use --amp fp16")

@@ -49,7 +49,7 @@ def load_dataset(args):
 
 def neighbor_loader(data, nodes, sampler, args):
     """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
-    pinned memory when they go to a GPU, so that the copy can overlap with its work (lesson 3)."""
+    pinned memory when they go to a GPU, so that the host need not wait for the copy (lesson 3)."""
     from torch_geometric.loader import NeighborLoader
 
     return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,

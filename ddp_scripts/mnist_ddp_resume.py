@@ -40,7 +40,7 @@ def train(rank, local_rank, world_size, args):
     # MNIST (220 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
-    # x.to(device, non_blocking=True), so that the copy overlaps with the GPU's work.
+    # x.to(device, non_blocking=True), so that the host goes on while the GPU copies.
     train_images, train_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, True))
     test_images, test_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, False))
 
@@ -298,9 +298,12 @@ def check_device(args, gpu=0):
         raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
                          "or use --backend gloo")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus or gpu >= gpus:  # first: asking about a GPU that is not there fails
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
-                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if procs > gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
+                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
+        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
+                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
     if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
         raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
                          f"capability 8.0 it is emulated, slowly): use --amp fp16")

@@ -255,9 +255,12 @@ def check_device(args, gpu=0):
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
                          "to run on CPU instead: --device cpu")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus or gpu >= gpus:
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): NCCL needs a GPU of its own "
-                         f"for each rank, so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if procs > gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
+                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
+        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
+                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
 
 
 def main(args):

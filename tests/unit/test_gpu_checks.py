@@ -75,12 +75,15 @@ def test_the_gpu_checks_ask_about_this_processs_gpu_by_index(monkeypatch, script
     assert asked == [("capability", int(local_rank or 0))]
 
 
-@pytest.mark.parametrize("script", ["mnist_ddp_gpu", "mnist_ddp_resume", "mnist_ddp_comm", "gcn_ddp"])
+@pytest.mark.parametrize("script", ["mnist_ddp_gpu", "mnist_ddp_resume", "mnist_ddp_comm", "gcn_ddp",
+                                    "mnist_fsdp", "template_ddp"])
 @pytest.mark.parametrize("local_world_size", ["2", "1"], ids=["more-ranks-than-gpus", "rank-index-past-gpus"])
 def test_bf16_with_a_rank_that_has_no_gpu_is_refused_not_crashed(monkeypatch, script, local_world_size):
-    """Under torchrun, LOCAL_RANK 1 on a machine with one visible GPU: the count (and the index) is
-    checked before the GPU is asked for its capability, which for a missing index fails with an
-    AssertionError traceback (and the other ranks would wait --timeout)."""
+    """LOCAL_RANK 1 on a machine with one visible GPU: the count (and the index) is checked before the
+    GPU is asked for its capability, which for a missing index fails with an AssertionError traceback
+    (and the other ranks would wait --timeout). Two ranks for one GPU are told to use fewer; a rank
+    that sees fewer GPUs than its machine has (one GPU per task, as Slurm's --gpus-per-task gives)
+    is told that every rank must see them all, not to use fewer processes."""
     if script == "gcn_ddp":
         needs_sampler()
     module = load_script(script)
@@ -95,9 +98,15 @@ def test_bf16_with_a_rank_that_has_no_gpu_is_refused_not_crashed(monkeypatch, sc
     monkeypatch.setattr(module.dist, "is_nccl_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
-    args = module.parse_args(["--amp", "bf16"])
-    with pytest.raises(module.UsageError, match=r"1 visible GPU\(s\)"):
+    flags = ["--device", "cuda"] if script == "template_ddp" else ["--amp", "bf16"]  # template: no --amp
+    args = module.parse_args(flags)
+    with pytest.raises(module.UsageError) as refusal:
         module.check_setup(args, rank=1)
+    if local_world_size == "2":
+        assert "2 processes but 1 visible GPU(s)" in str(refusal.value) and "--nprocs 1" in str(refusal.value)
+    else:
+        assert "LOCAL_RANK=1, but this process sees 1 GPU(s)" in str(refusal.value)
+        assert "--gpus-per-node" in str(refusal.value) and "--nprocs" not in str(refusal.value)
 
 
 @pytest.mark.parametrize("script", ["mnist_ddp_gpu", "mnist_ddp_resume", "mnist_ddp_comm"])

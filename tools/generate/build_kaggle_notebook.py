@@ -29,10 +29,10 @@ ogbn-products graph (2.4 million nodes) with PyG's `NeighborLoader` (lesson 4, l
 takes longest).
 
 Before running: in the notebook's settings (right-hand panel), choose **Accelerator: GPU T4 x2**
-and switch **Internet on** (MNIST and ogbn-products, 1.4 GB, are downloaded once). Then *Run all*:
-about five minutes for lessons 2 and 3, two each for lessons 5 and 6, three short runs of 20 steps
-for lesson 10, then 15 to 25 for lesson 4 (download,
-processing, and the install of PyG's sampler if no prebuilt wheel matches the image's torch).
+and switch **Internet on** (MNIST and ogbn-products, 1.4 GB, are downloaded once). Then *Run all*.
+Lessons 2, 3, 5, 6 and 10 are short MNIST runs; lesson 4 takes longest (the download, the
+processing, and the install of PyG's sampler if no prebuilt wheel matches the image's torch). No
+times are given: this notebook has not been timed on Kaggle yet.
 
 **Where this has run.** The scripts are the course's own, tested on CPUs (every lesson) and on a
 machine with one GPU (lessons 3, 4 and 6; lesson 5 only before it gained `--deterministic`, which
