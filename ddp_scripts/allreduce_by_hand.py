@@ -23,10 +23,9 @@ from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 try:  # the course's modules, written once: copy them beside this file
-    from ddp_hardening import Parser, UsageError, free_port, positive
+    from ddp_hardening import Parser, UsageError, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
@@ -246,7 +245,7 @@ def worker(rank, world_size, args):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(__doc__)
     p.add_argument("--nprocs", type=positive(int), default=2)
     p.add_argument("--mode", choices=["check", "measure"], default="check")
     p.add_argument("--max-mb", type=positive(float), default=64, help="measure: largest message, in MiB")
@@ -265,14 +264,6 @@ def parse_args(argv=None):
     return args
 
 
-def main(args):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-
-
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except UsageError as err:  # something the user can fix: one line, no traceback
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    # plain: args = parse_args(); MASTER_ADDR/PORT here; mp.spawn(worker, args=(args.nprocs, args))
+    run_plainly(worker, parse_args)

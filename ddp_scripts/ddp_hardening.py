@@ -1,8 +1,7 @@
 """The hardening of the course's DDP scripts, written once: what keeps a job safe on a real cluster.
 
-Every DDP script of the course imports it; copy it beside your script (with template_ddp.py, these
-two files are a project's start). A script calls it in a handful of places, each marked there with
-the plain code it stands for:
+Every DDP script of the course imports it (with template_ddp.py, the two files are a project's
+start). A script calls it in a handful of places, each marked with the plain code it stands for:
 
     run_main(main, parse_args)                 main(parse_args()), every ending said in one line
     spawn_workers(worker, nprocs, *args)       mp.spawn(worker, args=(nprocs, *args), nprocs=nprocs)
@@ -11,19 +10,15 @@ the plain code it stands for:
     attempt_store(timeout)                     nothing: init_process_group's own store
     master_port()                              str(free_port())
     progress(steps, desc, show)                tqdm(steps, desc=desc, leave=False, disable=not show)
-    add_hardening_flags(parser)                nothing: adds --prepare-timeout, accepts --local-rank
+    check_device(device, backend, amp, nprocs, gpu)   nothing: refuses a GPU set-up that cannot work
+    add_hardening_flags(parser)                parser.add_argument("--timeout", ...), and --prepare-timeout
     save_whole(obj, path)                      torch.save(obj, path), never half a file
 
-What it takes from the caller is what it is passed (the script's main, parse_args, worker and
-check functions); it never reaches into the script that imports it. What it needs of them:
-parse_args(argv) returns an argparse Namespace with `timeout` (roll_call's wait); a UsageError
-raised anywhere (by a check, the data, the parser) ends the job with its one line and exit code 1
-(2 from the parser).
-Besides, the small pieces every script's command line uses (UsageError, Parser, positive,
-cpu_cores, check_writable, write_metrics, free_port), and remove_stale_parts for lesson 5's
-snapshots (lesson 4's own hardening is in gcn_parts.py). Why each piece exists:
-docs/decisions/ (the roll call, the per-round keys, the data in turns, the exit through leave()).
-"""
+It takes what it needs as arguments (the script's main, parse_args, worker, checks), never reaching
+into the script that imports it; parse_args(argv) returns a Namespace with `timeout`. A UsageError
+raised anywhere ends the job in one line (exit code 1; 2 from the parser). Besides: the command
+line's pieces (UsageError, Parser, positive, cpu_cores, check_writable, write_metrics, free_port),
+and run_plainly for the by-hand scripts. Why each piece exists: docs/decisions/."""
 import argparse
 import contextlib
 import json
@@ -49,10 +44,17 @@ except ImportError:  # the progress bar is optional
 
 # --------------------------------------------------------------------------- the command line
 class UsageError(Exception):
-    """Something the user can fix: raise it anywhere for a one-line error, without a traceback."""
+    """Something the user can fix: raise it anywhere for a one-line error, no traceback."""
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse's parser, described by the first line of `doc` (a script's __doc__): a mistake is one
+    line, no flag abbreviated, and a flag defined again replaces the first (a later lesson's own)."""
+
+    def __init__(self, doc, **kwargs):
+        super().__init__(description=doc.strip().splitlines()[0], allow_abbrev=False,
+                         conflict_handler="resolve", **kwargs)
+
     def error(self, message):  # one line, no usage dump
         raise UsageError(f"{message} (see --help)")
 
@@ -66,8 +68,11 @@ def positive(kind):
     return parse
 
 
-def cpu_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def cpu_cores(shared_by=None):
+    """The cores this process may run on; with shared_by, the processes of this machine (torchrun's
+    LOCAL_WORLD_SIZE where it is set), each one's share of them, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores if shared_by is None else max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", shared_by)))
 
 
 def check_writable(*paths):
@@ -83,20 +88,20 @@ def check_writable(*paths):
 
 
 def write_metrics(path, metrics):
-    """The metrics JSON, written whole (a new file renamed over the old): never half a file."""
+    """The metrics JSON, written whole (a new file renamed over the old)."""
     with open(f"{path}.part", "w") as f:
         json.dump(metrics, f, indent=2)
     os.replace(f"{path}.part", path)
 
 
 def save_whole(obj, path):
-    """torch.save(obj, path), but no reader ever sees half a file: written beside it under a name
-    of this host and process, then renamed; a failed write leaves nothing behind."""
+    """torch.save(obj, path), never half a file: written under a name of this host and process, then
+    renamed (atomic); a failed write leaves nothing behind."""
     part = f"{path}.{socket.gethostname()}.{os.getpid()}.part"
     try:
         with open(part, "wb") as f:  # (a Python file: failures are OSErrors with a reason)
             torch.save(obj, f)
-        os.replace(part, path)  # atomic
+        os.replace(part, path)
     except BaseException:
         if os.path.isfile(part):
             os.remove(part)
@@ -104,8 +109,8 @@ def save_whole(obj, path):
 
 
 def free_port():
-    """A port that nothing listens on now, for rank 0: drawn below the range Linux hands out for port
-    0 and outgoing connections (ip_local_port_range), so that none takes it before rank 0 binds it."""
+    """A free port for rank 0, drawn below the range Linux hands out for port 0 and outgoing
+    connections (ip_local_port_range), so that none takes it before rank 0 binds it."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             below = range(20000, int(f.read().split()[0]))  # empty when that range starts lower
@@ -118,21 +123,47 @@ def free_port():
 
 
 # --------------------------------------------------------------------------- the hardening
+def check_device(device, backend=None, amp="off", nprocs=1, gpu=0):
+    """Refuse, before any process starts, what --device, --backend (None: no such flag), --amp and
+    --nprocs cannot do here. gpu: this process's GPU, by index (with none, CUDA starts on GPU 0)."""
+    if device == "cpu":
+        if backend == "nccl":
+            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
+        if amp == "fp16":
+            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
+        return
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); to run "
+                         f"on CPU instead: {'--backend gloo ' if backend else ''}--device cpu")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise UsageError("this PyTorch build has no NCCL: install a CUDA build, or use --backend gloo")
+    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", nprocs))
+    if procs > gpus:
+        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
+                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
+    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
+        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
+                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
+    if amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
+        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
+                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
+
+
 def add_hardening_flags(parser, prepare=True):
+    parser.add_argument("--timeout", type=positive(int), default=300,
+                        help="seconds any collective may wait for the other ranks before failing")
     if prepare:  # prepare_in_turns()'s timeout
         parser.add_argument("--prepare-timeout", type=positive(int), default=3600,
                             help="under torchrun: seconds a rank may wait while others download "
                                  "and prepare the data")
-    # torch.distributed.launch and DeepSpeed's launcher pass it; the LOCAL_RANK environment
-    # variable, which they set too, is what counts (as PyTorch recommends).
+    # torch.distributed.launch and DeepSpeed pass it; LOCAL_RANK, which they set too, is what counts.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def progress(steps, desc, show):
-    """The steps of an epoch, their progress shown when `show`: tqdm's live bar in a terminal;
-    elsewhere (a notebook's cell, a log file) a line now and then, at most one every 5 s and 20 an
-    epoch, so that a long epoch is seen to move: "  [epoch 1] 40/94 steps, 1,234 samples/s, 12 s
-    left" (never "epoch 1: ...", which starts the epoch's own summary)."""
+    """The steps of an epoch, their progress shown when `show`: tqdm's bar in a terminal; elsewhere
+    (a notebook, a log) at most a line every 5 s and 20 an epoch: "  [epoch 1] 40/94 steps, 1,234
+    samples/s, 12 s left" (never "epoch 1: ...", which starts the epoch's own summary)."""
     if not show:
         return steps
     if sys.stdout.isatty():
@@ -156,8 +187,8 @@ def progress_lines(steps, desc):
 
 
 def master_port():
-    """A port for rank 0 to listen on: the user's MASTER_PORT if it is free, else one the OS picks.
-    A busy one is refused now, in one line, rather than by every worker with a traceback."""
+    """A port for rank 0: the user's MASTER_PORT if it is free (a busy one refused now in one line,
+    not by every worker with a traceback), else a free one."""
     if "MASTER_PORT" not in os.environ:
         return str(free_port())
     port = int(os.environ["MASTER_PORT"])
@@ -172,10 +203,9 @@ def master_port():
 
 
 def attempt_store(timeout):
-    """torchrun restarts the ranks (--max-restarts) in the store where the previous round's ranks
-    wrote their addresses, and a rank that reads one of those connects to a process that is gone
-    (pytorch/pytorch#135712). Each rendezvous round gets keys of its own; None (not torchrun, or
-    no store shared by the agents): init_process_group's own store."""
+    """torchrun restarts the ranks (--max-restarts) in the store where the last round's ranks wrote
+    their addresses: a rank that reads one connects to a process that is gone (pytorch/pytorch#135712).
+    Each round gets keys of its own; None (no agents' store): init_process_group's own store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store, token = this_round(timeout)
@@ -187,12 +217,10 @@ _ROUND = []  # (agent's store, this round's token), once per process
 
 def this_round(timeout):
     """torchrun: a client of the agents' store, and a token that every rank of this rendezvous round
-    gets, and no rank of another round. Not TORCHELASTIC_RESTART_COUNT: each torchrun agent counts
-    its own restarts, and one whose ranks were restarted because another machine failed does not
-    count it (pytorch/pytorch#108158), so the ranks of one round can hold different counts, and
-    the ranks of two rounds the same. Rank 0 draws the token; every other rank keeps writing fresh
-    numbers under its own key until rank 0 has seen one change (a rank of an earlier round wrote
-    its last number long ago, and is gone) and answered it with the token."""
+    gets, and no rank of another. Not TORCHELASTIC_RESTART_COUNT: an agent whose ranks restarted
+    because another machine failed does not count it (pytorch/pytorch#108158). Rank 0 draws the
+    token; every other rank writes fresh numbers under its key until rank 0 has seen one change (a
+    rank of an earlier round is gone, its number old) and answered it with the token."""
     if _ROUND:
         return _ROUND[0]
     import uuid
@@ -235,11 +263,10 @@ def this_round(timeout):
 
 
 def roll_call(check, args, rank, world_size, timeout=None):
-    """torchrun: every rank runs check(args, rank) (GPUs, libraries, output paths) and tells all
-    the others how it went, through torchrun's store, before any rank joins the process group. A
-    refusal on one machine then stops every rank within seconds, said once, by rank 0; without the
-    roll call the other machines would wait --timeout for a rank that has gone. On a refusal every
-    rank exits with code 1."""
+    """torchrun: every rank runs check(args, rank) (GPUs, libraries, output paths) and tells all the
+    others how it went, through torchrun's store, before any rank joins the group: a refusal on one
+    machine stops every rank within seconds (exit code 1), said once by rank 0, where the others
+    would wait --timeout for a rank that has gone."""
     timeout = timeout or args.timeout
     problem = ""
     try:
@@ -260,8 +287,7 @@ def roll_call(check, args, rank, world_size, timeout=None):
         store.wait(keys)  # every rank has reported
         problems = [p for p in (store.get(key).decode() for key in keys) if p]
         store.add(prefix + "read", 1)
-        # Stay until all have read them: the store lives in rank 0's torchrun, which stops when
-        # one of its ranks ends.
+        # Stay until all have read them: the store lives in rank 0's torchrun, gone when a rank ends.
         deadline = time.monotonic() + timeout
         while problems and store.add(prefix + "read", 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -284,15 +310,13 @@ def roll_call(check, args, rank, world_size, timeout=None):
 
 def prepare_in_turns(prepare, first, rank, timeout):
     """torchrun: run prepare(choice) in every rank, in three turns, so that no two processes ever
-    download into the same folder at once. Rank 0 goes first, with choice=first, and decides (e.g.
-    what --dataset auto means): what it returns is the choice of every later turn. Then the first
-    process of each other machine: it downloads a copy only where rank 0's files are not visible
-    (no shared filesystem). Then all the others, which find the files in place. A turn ends when
-    every rank knows that it went well; a UsageError in any rank stops all of them with its one
-    line. A first download can outlast --timeout, so the turns get a process group with a timeout
-    of their own (`timeout`, --prepare-timeout), a Gloo one whatever the training backend: the
-    waiting ranks wait on the CPU, not in a GPU collective (Gloo connects the group here, while no
-    rank is busy). Returns rank 0's choice."""
+    download into one folder at once. Rank 0 goes first, with choice=first, and decides (e.g. what
+    --dataset auto means) the choice of every later turn. Then the first process of each other
+    machine, which downloads only where rank 0's files are not visible (no shared filesystem); then
+    all the others. A turn ends when every rank knows it went well; a UsageError in any rank stops
+    all of them with its one line. A download can outlast --timeout: the turns run in a Gloo group
+    of their own with `timeout` (--prepare-timeout), the waiting ranks on the CPU, not in a GPU
+    collective. Returns rank 0's choice."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     outcomes, choice = [None] * dist.get_world_size(), first
@@ -315,9 +339,8 @@ def prepare_in_turns(prepare, first, rank, timeout):
 
 
 def quiet_interrupt_in_finalizer(unraisable):
-    """A Ctrl-C that lands while Python runs a finalizer (a __del__) cannot stop the worker there:
-    Python prints it as "Exception ignored in ..." with a traceback, and goes on. Say nothing: the
-    launcher, interrupted too, sends every worker a SIGINT of its own. Anything else: as usual."""
+    """A Ctrl-C during a finalizer (a __del__) cannot stop the worker: Python prints "Exception
+    ignored in ..." and goes on. Say nothing (the launcher sends a SIGINT of its own); else as usual."""
     if not issubclass(unraisable.exc_type, KeyboardInterrupt):
         sys.__unraisablehook__(unraisable)
 
@@ -340,17 +363,15 @@ def spawned_worker(rank, worker, stop, *worker_args):
     except SystemExit as exit_:  # said_once's exit code
         code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
-        # Deaf again: an interrupted worker gets a second SIGINT (the terminal's, then the
-        # launcher's), and one that lands after mp.spawn's wrapper has caught the first, on the
-        # way out, would print a traceback.
+        # Deaf again: an interrupted worker gets a second SIGINT (the terminal's, then the launcher's),
+        # which would print a traceback on the way out, after mp.spawn's wrapper caught the first.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         exit_sooner()
     leave(code)  # an exception other than SystemExit went on to mp.spawn's wrapper, its traceback
 
 
 def native_threads():
-    """This process's threads as the kernel counts them (Python's own count misses torch's), or
-    None where there is no /proc."""
+    """This process's threads as the kernel counts them (Python's misses torch's); None: no /proc."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -361,12 +382,10 @@ THREADS_AFTER_IMPORTS = native_threads()  # when a script imports this module, a
 
 
 def start_method():
-    """How spawn_workers starts the workers: "fork" where it is safe, "spawn" (what mp.spawn does)
-    elsewhere. A forked worker starts with torch already imported, which saves it seconds; but fork
-    copies only the calling thread. It is safe when no thread has started here since the imports
-    (an OpenMP pool that a computation here started leaves a forked worker hung at its first
-    parallel operation) and there is no GPU (CUDA cannot be used in a child forked after the parent
-    has used it). DDP_START_METHOD=spawn, fork or forkserver decides instead."""
+    """How spawn_workers starts the workers: "fork" where safe (torch already imported: seconds
+    sooner), else "spawn" (mp.spawn's). Fork copies only the calling thread: safe when no thread has
+    started since the imports (a forked worker would hang in an OpenMP pool started here) and there
+    is no GPU (CUDA is unusable in a child forked after use). DDP_START_METHOD=... decides instead."""
     chosen = os.environ.get("DDP_START_METHOD")
     if chosen:
         if chosen not in mp.get_all_start_methods():
@@ -380,22 +399,18 @@ def start_method():
 
 
 def exit_sooner():
-    """Python's last garbage collection at exit walks every object that torch's imports created
-    (about a second here); frozen, they are left to the operating system. Finalizers, atexit
-    functions and the flushing of open files still run."""
+    """Python's last garbage collection at exit walks every object torch's imports made (about a
+    second): frozen, they are left to the OS. Finalizers, atexit functions, flushing still run."""
     import gc
 
     gc.freeze()
 
 
 def leave(code):
-    """End this process now with exit code `code`, the way multiprocessing ends a forked worker
-    (os._exit), after the atexit functions and with the output flushed: Python's own shutdown is
-    skipped. During that shutdown, on Python before 3.14, a thread of torch's that calls into
-    Python (for instance a Gloo thread dropping the last reference to a tensor that Python made)
-    is ended in the middle of C++ code, and the process aborts: "terminate called without an
-    active exception" (CPython gh-87135), a finished run reported as killed by SIGABRT. A file
-    still open is not flushed here: write through `with` blocks, as the lesson part does."""
+    """End this process with exit code `code` as multiprocessing ends a forked worker (os._exit),
+    after the atexit functions and flushing, without Python's shutdown: there, before 3.14, a torch
+    thread calling into Python (a Gloo thread freeing a tensor) is ended inside C++ and the process
+    aborts, "terminate called without an active exception" (CPython gh-87135). Close files first."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -405,8 +420,8 @@ def leave(code):
 
 
 def check_network():
-    """GLOO_SOCKET_IFNAME names the network interfaces Gloo binds to, a comma-separated list: one
-    that this machine lacks stops each rank in init_process_group with a C++ traceback."""
+    """GLOO_SOCKET_IFNAME, the interfaces Gloo binds to: one this machine lacks would stop each rank
+    in init_process_group with a C++ traceback."""
     names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     if not names or not hasattr(socket, "if_nameindex"):
         return
@@ -419,26 +434,23 @@ def check_network():
 
 
 def spawn_workers(worker, nprocs, *worker_args):
-    """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), the workers started as
-    start_method() says, and however the run ends, it ends whole: a worker that fails makes
-    mp.spawn stop the others, and Ctrl-C or SIGTERM here stops them too (mp.spawn's own join would
-    keep waiting while they train on)."""
+    """mp.spawn(worker, args=(nprocs, *worker_args), nprocs=nprocs), started as start_method() says,
+    ending whole: a failing worker makes mp.spawn stop the others, and Ctrl-C or SIGTERM here stops
+    them too (mp.spawn's own join would wait while they train on)."""
     import logging
     import signal
 
     check_network()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` behaves like Ctrl-C
-    # mp.spawn logs "Terminating process ... via signal SIGTERM" for each worker it stops after a
-    # failure; the one line this launcher prints says so already.
+    # mp.spawn logs "Terminating process ..." for each worker it stops: the one line here says it.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     method = start_method()
     if method == "fork":  # DDP's constructor imports torch._dynamo (~1 s): once here, not per worker
         import torch._dynamo  # noqa: F401
     stop = mp.get_context(method).Event()  # set when interrupted, for workers still starting
     try:
-        # The workers start deaf to Ctrl-C (an ignored signal stays ignored in a new process), so
-        # that a Ctrl-C while they import torch prints no traceback from each; they listen again
-        # in spawned_worker. This process stops them, below.
+        # The workers start deaf to Ctrl-C (ignored stays ignored in a new process): no traceback from
+        # a Ctrl-C while they import torch. They listen again in spawned_worker; this one stops them.
         listening = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             workers = mp.start_processes(spawned_worker, args=(worker, stop, nprocs, *worker_args),
@@ -469,11 +481,22 @@ def spawn_workers(worker, nprocs, *worker_args):
             from None
 
 
+def run_plainly(worker, parse_args):
+    """The by-hand scripts' plain launch: args = parse_args() (a mistake said in one line), rank 0
+    on this machine, mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)."""
+    try:
+        args = parse_args()
+    except UsageError as err:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
+
+
 def die_with_parent(parent_pid, worker_id=None):
-    """On Linux, ask the kernel to kill this process when its parent dies: a rank when its torchrun
-    agent dies (else the rank, in a session of its own, trains on, and the other machines' agents
-    wait for it), a sampling worker when its rank dies (else it stays, holding the job's output and
-    the shared graph). worker_id: DataLoader's argument to its worker_init_fn."""
+    """On Linux, have the kernel kill this process when its parent dies: a rank when its torchrun
+    agent dies (else it trains on, and the other machines wait for it), a sampling worker when its
+    rank dies (else it holds the output and the shared graph). worker_id: for worker_init_fn."""
     import ctypes
     import signal
 
@@ -488,7 +511,7 @@ def say(problem):
 
 
 def said_once(err, rank):
-    """An error in the workers, which every rank may have met: rank 0 says it, in one line."""
+    """An error that every rank may have met: rank 0 says it, in one line."""
     if rank == 0:
         say(err)
         sys.exit(1)
@@ -496,19 +519,17 @@ def said_once(err, rank):
 
 
 def exit_after_the_speaker():
-    """Exit code 1, quietly, a little later than the rank that says why: the launcher (or torchrun)
-    stops the other processes of a job as soon as one has ended, and would stop that rank before
-    it had spoken."""
+    """Exit code 1, quietly, after the rank that says why (the launcher, or torchrun, stops a job's
+    processes as soon as one has ended: that rank might not have spoken yet)."""
     time.sleep(2)
     sys.exit(1)
 
 
 def run_main(main, parse_args, argv=None):
-    """main(parse_args(argv)), with every way it can end said in one line: a mistake in the
-    command line (exit code 2; under torchrun it answers the roll call, so that a typo on one
-    machine stops every machine), an error found by a check or by the workers (1), Ctrl-C or
-    SIGTERM (130). However it ends, the process ends through leave(): after an error too, torch's
-    threads are still there to abort Python's shutdown (decision 8)."""
+    """main(parse_args(argv)), every way it can end said in one line: a mistake in the command line
+    (exit code 2; under torchrun it answers the roll call, so a typo on one machine stops them all),
+    an error found by a check or the workers (1), Ctrl-C or SIGTERM (130). It ends through leave():
+    after an error too, torch's threads are there to abort Python's shutdown (decision 8)."""
     try:
         end_in_one_line(main, parse_args, argv)
         code = 0
@@ -576,24 +597,3 @@ def end_in_one_line(main, parse_args, argv):
         if rank == 0:  # under torchrun, one line from rank 0
             print(f"{os.path.basename(sys.argv[0])}: interrupted; all workers stopped", file=sys.stderr)
         sys.exit(130)
-
-
-# --------------------------------------------------------------------------- for lesson 5 only
-def remove_stale_parts(snapshot):
-    """Remove the .part files of this snapshot that a writer on this machine left when it was
-    killed while writing (SIGKILL, the machine lost): their names give the host and the process
-    id, and that process is gone. Writers on other machines clean up their own."""
-    folder, prefix = os.path.split(os.path.abspath(snapshot))
-    prefix += f".{socket.gethostname()}."
-    for name in os.listdir(folder):
-        pid = name[len(prefix):-len(".part")]
-        if name.startswith(prefix) and name.endswith(".part") and pid.isdigit():
-            try:
-                os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
-            except ProcessLookupError:
-                try:
-                    os.remove(os.path.join(folder, name))
-                except FileNotFoundError:  # another writer got there first
-                    pass
-            except PermissionError:  # it exists, as another user's process
-                pass

@@ -21,33 +21,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:  # the course's modules, written once: copy them beside this file
     import ddp_hardening as hardening  # each call into it says what plain code it stands for
-    from gcn_parts import (GCN, amazon_products, check_sampler, eval_subset, fan_outs, have_amazon_products,
-                           have_ogbn_products, loss_fn, metric_sums, metric_value, ogbn_products,
-                           probability, sort_edges, synthetic_graph, worker_count)
-    from gcn_parts import PROCESSED, check_shared_memory, sampling_workers  # lesson 4's own
+    from gcn_parts import (GCN, PROCESSED, Report, add_gcn_flags, check_gcn, eval_subset, evaluate,
+                           load_dataset, loss_fn, neighbor_loader, sort_edges)
+    from gcn_parts import check_shared_memory  # lesson 4's own hardening
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
-from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
+from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive
 
 
 # --------------------------------------------------------------------------- data
-def load_dataset(args, mapped=False):
-    """The graph, its node splits and its metric name. mapped (torchrun): edges sorted, and a real
-    graph mapped from a file that the ranks of a machine share (mapped_copy)."""
-    if args.dataset == "auto":  # a real graph only if it is already on disk: it is gigabytes
-        args.dataset = ("ogbn-products" if have_ogbn_products(args.data_dir) else
-                        "amazon-products" if have_amazon_products(args.data_dir) else "synthetic")
-        if args.dataset == "synthetic" and not args.quiet and int(os.environ.get("RANK", 0)) == 0:
-            print(f"neither ogbn-products nor AmazonProducts is in {args.data_dir}: using a synthetic "
-                  f"graph of {args.num_nodes:,} nodes (--dataset ogbn-products downloads a real one)",
-                  flush=True)
-    if args.dataset == "synthetic":  # generated in seconds: each torchrun rank makes its own
-        data, split, metric = synthetic_graph(args.num_nodes, seed=args.seed)
-        return (sort_edges(data) if mapped else data), split, metric
-    load = ogbn_products if args.dataset == "ogbn-products" else amazon_products
-    if mapped:
+def load_mapped(args):
+    """torchrun: the graph with its edges sorted, a real one mapped from a file that the ranks of a
+    machine share (mapped_copy)."""
+    def mapped(load):
         return mapped_copy(load, args.data_dir, os.path.join(args.data_dir, PROCESSED[args.dataset]))
-    return load(args.data_dir)
+
+    data, split, metric = load_dataset(args, real=mapped)
+    return (sort_edges(data) if args.dataset == "synthetic" else data), split, metric
 
 
 def mapped_copy(load, data_dir, processed):
@@ -106,34 +96,6 @@ def check_enough_seeds(split, world_size):
 
 
 # --------------------------------------------------------------------------- training
-def neighbor_loader(data, nodes, sampler, args):
-    """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
-    pinned memory when they go to a GPU, so that the host need not wait for the copy (lesson 3)."""
-    from torch_geometric.loader import NeighborLoader
-
-    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
-                          batch_size=args.batch_size, neighbor_sampler=sampler,
-                          pin_memory=args.device == "cuda",
-                          # plain: num_workers=args.num_workers)
-                          **sampling_workers(args.num_workers))
-
-
-@torch.no_grad()
-def evaluate(model, data, sampler, idx, args, device, rank, world_size):
-    """Metric over idx: each rank scores every world_size-th node, the sums are all-reduced."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    # Batches as big as in training: bigger ones would raise the peak memory.
-    loader = neighbor_loader(data, idx[rank::world_size], sampler, args)
-    for batch in loader:
-        batch = batch.to(device, non_blocking=True)
-        out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
-        totals += metric_sums(out, batch.y[:batch.batch_size])
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # SUM, then compute the metric once
-    model.train()
-    return metric_value(totals, data.y.dim() == 2)
-
-
 def train(rank, local_rank, world_size, data, split, metric, args):
     from torch_geometric.sampler import NeighborSampler
 
@@ -157,14 +119,14 @@ def train(rank, local_rank, world_size, data, split, metric, args):
     # --eval-nodes scores a fixed random subset (the same on every rank) instead.
     eval_idx = {name: eval_subset(split[name], args.eval_nodes, args.seed) for name in ("val", "test")}
 
-    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
-    log(f"training GCN on {args.dataset} ({data.num_nodes:,} nodes, {data.num_edges:,} edges): "
-        f"{world_size} process(es) on {device.type} ({args.backend}, amp {args.amp}), batch "
-        f"{args.batch_size} seed nodes per process, fan-out {args.num_neighbors}, "
-        f"{args.num_workers} sampling worker(s) per process", flush=True)
+    report = Report(args, metric, rank, world_size, backend=args.backend)  # rank 0 speaks, and writes
+    report.say(f"training GCN on {args.dataset} ({data.num_nodes:,} nodes, {data.num_edges:,} edges): "
+               f"{world_size} process(es) on {device.type} ({args.backend}, amp {args.amp}), batch "
+               f"{args.batch_size} seed nodes per process, fan-out {args.num_neighbors}, "
+               f"{args.num_workers} sampling worker(s) per process")
     if len(eval_idx["test"]) < len(split["test"]) or len(eval_idx["val"]) < len(split["val"]):
-        log(f"val and test scored on random subsets of {args.eval_nodes:,} nodes (--eval-nodes)")
-    history, steps, start = [], 0, time.perf_counter()
+        report.say(f"val and test scored on random subsets of {args.eval_nodes:,} nodes (--eval-nodes)")
+    steps = 0
     for epoch in range(1, args.epochs + 1):
         chunk = rank_chunk(split["train"], epoch, rank, world_size, args.seed, not args.no_shuffle)
         loader = neighbor_loader(data, chunk, sampler, args)
@@ -195,35 +157,18 @@ def train(rank, local_rank, world_size, data, split, metric, args):
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - epoch_start
 
-        # 5. Evaluate across ranks, then gather the training totals of all ranks.
+        # 5. Evaluate across ranks (each scores a shard, the counts are all-reduced); the report adds
+        #    up the ranks' training totals the same way.
         val = evaluate(model.module, data, sampler, eval_idx["val"], args, device, rank, world_size)
         test = evaluate(model.module, data, sampler, eval_idx["test"], args, device, rank, world_size)
-        totals = torch.stack([loss_sum, torch.tensor(float(seeds), dtype=torch.float64, device=device),
-                              torch.tensor(float(sampled), dtype=torch.float64, device=device)])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        train_loss = (totals[0] / totals[1]).item()
-        history.append({"epoch": epoch, "train_loss": train_loss, "val_metric": val, "test_metric": test,
-                        "seconds": seconds, "sampled_nodes_per_second": totals[2].item() / seconds,
-                        "seed_nodes": int(totals[1]), "steps": steps})
-        log(f"epoch {epoch}: train loss {train_loss:.4f}  val {metric} {val:.2%}  test {metric} "
-            f"{test:.2%}  {seconds:.1f} s  {totals[2].item() / seconds:,.0f} sampled nodes/s", flush=True)
-        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
-            write_metrics(args.metrics_json, {"world_size": world_size,
-                "model": "gcn", "dataset": args.dataset, "metric": metric, "batch_size": args.batch_size,
-                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
-                "num_workers": args.num_workers, "backend": args.backend, "epochs": history})
+        report.epoch(epoch, loss_sum, seeds, sampled, seconds, steps, val, test)
         # 6. Optional: a barrier keeps the ranks' epochs in step (NCCL's: on this rank's GPU).
         dist.barrier(device_ids=[local_rank] if args.backend == "nccl" else None)
         if steps == args.max_steps:
             break
 
-    if rank != 0:  # 7. Print and save on rank 0 only.
-        return
-    last = history[-1]
-    print(f"done: GCN on {args.dataset}, {world_size} process(es), {steps} steps, test {metric} "
-          f"{last['test_metric']:.2%}, {last['sampled_nodes_per_second']:,.0f} sampled nodes/s, "
-          f"{time.perf_counter() - start:.1f} s in all", flush=True)
-    if args.save:
+    report.done(steps)  # 7. Print and save on rank 0 only.
+    if rank == 0 and args.save:
         torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
 
 
@@ -242,7 +187,7 @@ def worker(rank, world_size, args, graph=None):
             def load(dataset):  # downloads and processes what is not on disk yet
                 nonlocal graph
                 args.dataset = dataset
-                graph = load_dataset(args, mapped=True)  # sorted, as prepare_graph sorts it
+                graph = load_mapped(args)  # sorted, as prepare_graph sorts it
                 check_enough_seeds(graph[1], world_size)
                 return args.dataset
 
@@ -253,40 +198,12 @@ def worker(rank, world_size, args, graph=None):
         dist.destroy_process_group()  # 8. tear down, even after an error
 
 
-def check_device(args, gpu=0):
-    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
-    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
-    check_sampler()
-    if len(args.num_neighbors) != 2:
-        raise UsageError(f"the GCN has 2 layers, so --num-neighbors takes 2 fan-outs (one per hop), "
-                         f"got {len(args.num_neighbors)}")
-    if args.device == "cpu":
-        if args.backend == "nccl":
-            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
-        if args.amp == "fp16":
-            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
-        return
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
-                         "to run on CPU instead: --device cpu")
-    if args.backend == "nccl" and not dist.is_nccl_available():
-        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
-                         "or use --backend gloo")
-    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
-                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
-    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
-        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
-                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
-                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
-
-
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
+    check_gcn(args)  # a sampler, two fan-outs
+    # plain: nothing (refuses NCCL on a CPU, fp16 on a CPU, more ranks than GPUs, bf16 without it)
+    hardening.check_device(args.device, args.backend, args.amp, args.nprocs,
+                           gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 
@@ -312,53 +229,23 @@ def main(args):
 
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--model", choices=["gcn"], default="gcn")
-    p.add_argument("--dataset", choices=["auto", "synthetic", "ogbn-products", "amazon-products"],
-                   default="auto", help="auto: a real graph already in --data-dir, else synthetic")
-    p.add_argument("--data-dir", type=str, default="data")
-    p.add_argument("--num-nodes", type=positive(int), default=100_000, help="synthetic graph size")
-    p.add_argument("--epochs", type=positive(int), default=1)
-    p.add_argument("--batch-size", type=positive(int), default=512, help="seed nodes per process")
-    p.add_argument("--lr", type=positive(float), default=0.005)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None,
-                   help="stop after this many optimizer steps in total")
-    p.add_argument("--no-shuffle", action="store_true", help="fixed seed-node order")
-    p.add_argument("--num-neighbors", type=fan_outs, default=[15, 10],
-                   help="neighbours sampled per node at each hop, e.g. 15,10")
-    p.add_argument("--hidden", type=positive(int), default=128)
-    p.add_argument("--dropout", type=probability, default=0.5, help="dropout between the two GCN layers")
-    p.add_argument("--eval-nodes", type=positive(int), default=None,
-                   help="score at most this many val and test nodes (a fixed random subset; default all)")
-    p.add_argument("--num-workers", type=worker_count, default=None,
-                   help="sampling worker processes per process (default: 0 on CPU; on a GPU, the "
-                        "process's share of the cores less one, at most 4)")
+    p = Parser(__doc__)
+    add_gcn_flags(p)  # gcn_single.py's: --dataset --epochs --batch-size --num-neighbors ... (gcn_parts.py)
     p.add_argument("--nprocs", type=positive(int), default=None,
                    help="processes to spawn (default: one per visible GPU, 2 on CPU)")
-    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
-                   help="mixed precision (fp16 with a gradient scaler)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with --device cuda, gloo with --device cpu")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
-    hardening.add_hardening_flags(p)  # plain: nothing
+    hardening.add_hardening_flags(p)  # plain: p.add_argument("--timeout", type=int, default=300)
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.nprocs is None:  # one process per visible GPU
         args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # processes on this machine
-    if args.threads_per_proc is None:
-        args.threads_per_proc = max(1, cpu_cores() // procs)
+    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
     if args.num_workers is None:  # on CPU every core already runs a rank; a GPU rank samples beside it
-        args.num_workers = 0 if args.device == "cpu" else min(4, max(0, cpu_cores() // procs - 1))
+        args.num_workers = 0 if args.device == "cpu" else min(4, cpu_cores(shared_by=args.nprocs) - 1)
     return args
 
 

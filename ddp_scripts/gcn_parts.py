@@ -1,26 +1,29 @@
 """The GCN pieces of lesson 4, written once: gcn_single.py and gcn_ddp.py import them (copy this file
 beside either, with ddp_hardening.py).
 
-    synthetic_graph(num_nodes)          a graph a GCN can learn from, made here (offline)
+    load_dataset(args)                  --dataset: a real graph on disk, or a synthetic one (offline)
     amazon_products / ogbn_products     the real graphs (downloads), PROCESSED: where their files land
     GCN, loss_fn, metric_sums, metric_value      the model and how it is scored
-    check_sampler()                     refuses, in one line, a PyG without a neighbour sampler
-    fan_outs, worker_count, probability      argparse types of the lesson's flags
-    check_shared_memory, sampling_workers    lesson 4's own hardening (gcn_ddp.py calls them)
+    neighbor_loader, evaluate           batches of sampled neighbourhoods; the metric over every rank
+    add_gcn_flags(parser), check_gcn(args)       the lesson's command line; what it cannot run
+    Report(args, metric, rank, world_size)       rank 0's lines, the metrics JSON, the `done:` line
+    check_shared_memory, sampling_workers    lesson 4's own hardening
 """
 import argparse
 import os
 import shutil
 import socket
 import sys
+import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_hardening import UsageError, die_with_parent
+from ddp_hardening import UsageError, die_with_parent, positive, write_metrics
 
 
 SAMPLER_HELP = ("NeighborLoader needs pyg-lib or torch-sparse: pip install torch_geometric pyg_lib "
@@ -36,6 +39,7 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 def check_sampler():
+    """Refuse, in one line, a PyG without a neighbour sampler (or no PyG)."""
     try:
         import torch_geometric.typing as pyg_typing
     except ImportError:
@@ -44,7 +48,32 @@ def check_sampler():
         raise UsageError(SAMPLER_HELP)
 
 
+def check_gcn(args):
+    """What the GCN scripts cannot run: no sampler, or fan-outs other than the GCN's two hops."""
+    check_sampler()
+    if len(args.num_neighbors) != 2:
+        raise UsageError(f"the GCN has 2 layers, so --num-neighbors takes 2 fan-outs (one per hop), "
+                         f"got {len(args.num_neighbors)}")
+
+
 # --------------------------------------------------------------------------- data
+def load_dataset(args, real=None):
+    """The graph, its node splits and its metric name. --dataset auto: a real graph only if it is on
+    disk already (it is gigabytes), else a synthetic one. real(load): how to load a real one
+    (default: load(args.data_dir))."""
+    if args.dataset == "auto":
+        args.dataset = ("ogbn-products" if have_ogbn_products(args.data_dir) else
+                        "amazon-products" if have_amazon_products(args.data_dir) else "synthetic")
+        if args.dataset == "synthetic" and not args.quiet and int(os.environ.get("RANK", 0)) == 0:
+            print(f"neither ogbn-products nor AmazonProducts is in {args.data_dir}: using a synthetic "
+                  f"graph of {args.num_nodes:,} nodes (--dataset ogbn-products downloads a real one)",
+                  flush=True)
+    if args.dataset == "synthetic":  # generated in seconds (each torchrun rank makes its own)
+        return synthetic_graph(args.num_nodes, seed=args.seed)
+    load = ogbn_products if args.dataset == "ogbn-products" else amazon_products
+    return real(load) if real else load(args.data_dir)
+
+
 def synthetic_graph(num_nodes, num_classes=16, num_features=100, seed=0):
     """A graph a GCN can learn from: communities (mostly same-class edges), skewed degrees
     (a few hubs, many leaves), and features that are a weak class signal plus noise."""
@@ -216,7 +245,106 @@ def metric_value(totals, multi_label):
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+# --------------------------------------------------------------------------- batches and scores
+def neighbor_loader(data, nodes, sampler, args):
+    """Batches of --batch-size seed nodes from `nodes`, each with its sampled neighbourhood; in
+    pinned memory when they go to a GPU, so that the host need not wait for the copy (lesson 3)."""
+    from torch_geometric.loader import NeighborLoader
+
+    return NeighborLoader(data, num_neighbors=args.num_neighbors, input_nodes=nodes,
+                          batch_size=args.batch_size, neighbor_sampler=sampler,
+                          pin_memory=args.device == "cuda",
+                          **sampling_workers(args.num_workers))  # num_workers=args.num_workers, safely
+
+
+@torch.no_grad()
+def evaluate(model, data, sampler, idx, args, device, rank=0, world_size=1):
+    """The metric over idx. With several ranks, each scores every world_size-th node and the counts
+    are all-reduced (summed: the metric is computed once, from the sums)."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    # Batches as big as in training: bigger ones would raise the peak memory.
+    for batch in neighbor_loader(data, idx[rank::world_size], sampler, args):
+        batch = batch.to(device, non_blocking=True)
+        out = model(batch.x, batch.edge_index)[:batch.batch_size]  # seed nodes only
+        totals += metric_sums(out, batch.y[:batch.batch_size])
+    if world_size > 1:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    model.train()
+    return metric_value(totals, data.y.dim() == 2)
+
+
+class Report:
+    """What both GCN scripts report, rank 0 speaking: its lines (`say`), a line per epoch, the
+    metrics JSON after each epoch (a crash keeps the epochs done) and the `done:` summary."""
+
+    def __init__(self, args, metric, rank=0, world_size=1, **fields):
+        self.args, self.metric, self.rank, self.world_size = args, metric, rank, world_size
+        self.fields = {"world_size": world_size, "model": "gcn", "dataset": args.dataset, "metric": metric,
+                       "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc,
+                       "device": args.device, "amp": args.amp, "num_workers": args.num_workers, **fields}
+        self.history, self.start = [], time.perf_counter()
+
+    def say(self, text):
+        if self.rank == 0 and not self.args.quiet:
+            print(text, flush=True)
+
+    def epoch(self, epoch, loss_sum, seeds, sampled, seconds, steps, val, test):
+        """The training loss and the nodes over every rank (summed by an all_reduce: every rank
+        calls it), the val and test metrics (evaluate's), the epoch's time and steps."""
+        totals = torch.stack([loss_sum.double(), loss_sum.new_tensor(float(seeds), dtype=torch.float64),
+                              loss_sum.new_tensor(float(sampled), dtype=torch.float64)])
+        if self.world_size > 1:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        train_loss, per_second = (totals[0] / totals[1]).item(), totals[2].item() / seconds
+        self.history.append({"epoch": epoch, "train_loss": train_loss, "val_metric": val,
+                             "test_metric": test, "seconds": seconds, "sampled_nodes_per_second": per_second,
+                             "seed_nodes": int(totals[1]), "steps": steps})
+        self.say(f"epoch {epoch}: train loss {train_loss:.4f}  val {self.metric} {val:.2%}  test "
+                 f"{self.metric} {test:.2%}  {seconds:.1f} s  {per_second:,.0f} sampled nodes/s")
+        if self.rank == 0 and self.args.metrics_json:
+            write_metrics(self.args.metrics_json, {**self.fields, "epochs": self.history})
+
+    def done(self, steps):
+        if self.rank == 0:
+            last, n = self.history[-1], self.world_size
+            print(f"done: GCN on {self.args.dataset}, {n} process{'es' * (n != 1)}, {steps} steps, test "
+                  f"{self.metric} {last['test_metric']:.2%}, {last['sampled_nodes_per_second']:,.0f} "
+                  f"sampled nodes/s, {time.perf_counter() - self.start:.1f} s in all", flush=True)
+
+
 # --------------------------------------------------------------------------- command line
+def add_gcn_flags(p):
+    """The flags both GCN scripts take; gcn_ddp.py adds DDP's after them."""
+    p.add_argument("--model", choices=["gcn"], default="gcn")
+    p.add_argument("--dataset", choices=["auto", "synthetic", "ogbn-products", "amazon-products"],
+                   default="auto", help="auto: a real graph already in --data-dir, else synthetic")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--num-nodes", type=positive(int), default=100_000, help="synthetic graph size")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=512, help="seed nodes per process")
+    p.add_argument("--lr", type=positive(float), default=0.005)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed seed-node order")
+    p.add_argument("--num-neighbors", type=fan_outs, default=[15, 10],
+                   help="neighbours sampled per node at each hop, e.g. 15,10")
+    p.add_argument("--hidden", type=positive(int), default=128)
+    p.add_argument("--dropout", type=probability, default=0.5, help="dropout between the two GCN layers")
+    p.add_argument("--eval-nodes", type=positive(int), default=None,
+                   help="score at most this many val and test nodes (a fixed random subset; default all)")
+    p.add_argument("--num-workers", type=worker_count, default=None,
+                   help="sampling worker processes per process (default: 0 on CPU; on a GPU, the "
+                        "process's share of the cores less one, at most 4)")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="mixed precision (fp16 with a gradient scaler)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+
 def fan_outs(text):
     try:
         values = [int(v) for v in text.split(",")]

@@ -24,7 +24,6 @@ https://ui.perfetto.dev or chrome://tracing). A teaching script: it reads the da
 mnist_single.py (or any lesson script) has prepared, and it has none of the hardening of
 mnist_ddp_cpu.py, which is the one to copy.
 """
-import json
 import os
 import statistics
 import sys
@@ -33,14 +32,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
-    from mnist_parts import build_model, load_split, prepared
-    from ddp_hardening import Parser, UsageError, free_port, positive
+    from mnist_parts import add_prepared_flags, build_model, load_split, prepared, save_outputs
+    from ddp_hardening import Parser, UsageError, cpu_cores, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
@@ -235,13 +233,9 @@ def worker(rank, world_size, args):
         per_step = statistics.median(seconds[3:] or seconds)  # the first steps warm up
         print(f"done: {args.model} on {args.dataset} by hand ({args.sync}), {world_size} processes, "
               f"{steps} steps, test accuracy {accuracy:.2%}, {per_step * 1e3:.1f} ms per step", flush=True)
-        if args.save:
-            torch.save(model.state_dict(), args.save)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as f:
-                json.dump({"sync": args.sync, "bucket_mb": args.bucket_mb, "model": args.model,
-                           "world_size": world_size, "steps": steps, "test_accuracy": accuracy,
-                           "ms_per_step": per_step * 1e3, "seconds": seconds}, f, indent=2)
+        save_outputs(args, model.state_dict(), {"sync": args.sync, "bucket_mb": args.bucket_mb,
+                     "model": args.model, "world_size": world_size, "steps": steps, "test_accuracy": accuracy,
+                     "ms_per_step": per_step * 1e3, "seconds": seconds})
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
@@ -250,32 +244,23 @@ def worker(rank, world_size, args):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(__doc__)
+    add_prepared_flags(p)  # --dataset --data-dir --lr --seed --max-steps --nprocs --save ... (mnist_parts.py)
     p.add_argument("--sync", choices=list(SYNC), default="per-tensor",
                    help="how the gradients are averaged (see the top of this file)")
     p.add_argument("--bucket-mb", type=positive(float), default=None,
                    help="--sync bucketed: every bucket closes at this size, in MiB (default: DDP's, "
                         "1 MiB for the first bucket, 25 MiB for the others)")
-    p.add_argument("--profile", type=str, default=None, metavar="DIR",
-                   help="write a torch.profiler trace of steps 3 to 5 of each rank into DIR")
     p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="linear")
-    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
-                   help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
     p.add_argument("--epochs", type=positive(int), default=1)
     p.add_argument("--batch-size", type=positive(int), default=64, help="per process")
-    p.add_argument("--lr", type=positive(float), default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None)
-    p.add_argument("--no-shuffle", action="store_true")
-    p.add_argument("--nprocs", type=positive(int), default=2)
+    p.add_argument("--profile", type=str, default=None, metavar="DIR",
+                   help="write a torch.profiler trace of steps 3 to 5 of each rank into DIR")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write rank 0's final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--quiet", action="store_true", help="(accepted, as by the other scripts)")
-    p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
     args = p.parse_args(argv)
+    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     if args.bucket_mb is not None and args.sync != "bucketed":
         raise UsageError("--bucket-mb sets the buckets of --sync bucketed: add --sync bucketed, or drop it")
     if args.profile:
@@ -285,21 +270,11 @@ def parse_args(argv=None):
             raise UsageError(f"cannot use --profile {args.profile}: {err.strerror}") from None
         if not os.access(args.profile, os.W_OK):
             raise UsageError(f"cannot use --profile {args.profile}: no write permission there")
-    if args.threads_per_proc is None:
-        args.threads_per_proc = max(1, (os.cpu_count() or 1) // args.nprocs)
+    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
 
-    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     return args
 
 
-def main(args):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-
-
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except UsageError as err:  # something the user can fix: one line, no traceback
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    # plain: args = parse_args(); MASTER_ADDR/PORT here; mp.spawn(worker, args=(args.nprocs, args))
+    run_plainly(worker, parse_args)

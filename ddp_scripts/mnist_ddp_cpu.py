@@ -21,15 +21,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
     import ddp_hardening as hardening  # each call into it says what plain code it stands for
-    from mnist_parts import build_model, evaluate, load_split, prepare_data
+    from mnist_parts import Report, add_training_flags, build_model, evaluate, load_split, prepare_data
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
-from ddp_hardening import Parser, check_writable, cpu_cores, positive, write_metrics
+from ddp_hardening import Parser, check_writable, cpu_cores, positive
 
 
 # --------------------------------------------------------------------------- training
 def train(rank, world_size, args):
-    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
     test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
 
@@ -47,11 +46,11 @@ def train(rank, world_size, args):
                                  shuffle=not args.no_shuffle, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
-    log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
-        f"torch thread(s) each, batch {args.batch_size} per process "
-        f"({args.batch_size * world_size} in all)", flush=True)
-    history, steps, start = [], 0, time.perf_counter()
+    report = Report(args, rank, world_size)  # rank 0 speaks, and writes the metrics JSON
+    report.say(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
+               f"torch thread(s) each, batch {args.batch_size} per process "
+               f"({args.batch_size * world_size} in all)")
+    steps = 0
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start = time.perf_counter()
@@ -70,22 +69,11 @@ def train(rank, world_size, args):
                 break
         seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
 
-        # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
-        #    model.module is used because evaluation needs no gradient synchronisation.
+        # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up (as the report
+        #    adds up the ranks' training losses). The plain model.module is used because evaluation
+        #    needs no gradient synchronisation.
         test_loss, test_accuracy = evaluate(model.module, test_images, test_labels, rank, world_size)
-        train_totals = torch.tensor([loss_sum, seen], dtype=torch.float64)
-        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
-        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
-        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
-                        "test_accuracy": test_accuracy, "seconds": seconds,
-                        "images_per_second": seen_all / seconds, "steps": steps})
-        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
-            flush=True)
-        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
-            write_metrics(args.metrics_json, {"world_size": world_size,
-                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
-                "threads_per_proc": args.threads_per_proc, "epochs": history})
+        report.epoch(epoch, loss_sum, seen, seconds, steps, test_loss, test_accuracy)
         # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
         #    backward and the all_reduce above already wait for all ranks.
         dist.barrier()
@@ -93,17 +81,15 @@ def train(rank, world_size, args):
             break
 
     # 7. Print and save on rank 0 only; model.module holds plain (non-DDP) parameter names.
-    if rank == 0:
-        last = history[-1]
-        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
-              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
-              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
-        if args.save:
-            torch.save(model.module.state_dict(), args.save)
+    report.done(steps)
+    if rank == 0 and args.save:
+        torch.save(model.module.state_dict(), args.save)
 
 
-def worker(rank, world_size, args):
-    """What each process runs, whether spawned by main() or started by torchrun."""
+def worker(rank, world_size, args, train=train):
+    """What each process runs, whether spawned by main() or started by torchrun: `train` (this
+    file's, or the one a later lesson's script passes) inside a process group."""
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
     #    or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective, so a
     #    rank that dies or stalls turns into an error instead of a hang.
@@ -128,16 +114,18 @@ def check_setup(args, rank):
         check_writable(args.save, args.metrics_json)
 
 
-def main(args):
+def main(args, train=train, check_setup=check_setup):
+    """Run train(rank, world_size, args) in every process of the job; a later lesson's script passes
+    its own train and check_setup, and the launching stays this lesson's."""
     if "RANK" in os.environ:
         # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
         # and MASTER_PORT. Each rank checks its own set-up before joining the group.
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
-        worker(rank, world_size, args)
+        worker(rank, world_size, args, train)
         return
     # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
+    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args, train).
     check_setup(args, rank=0)
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -145,38 +133,27 @@ def main(args):
     if args.nprocs > cpu_cores() and not args.quiet:
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
-    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-    hardening.spawn_workers(worker, args.nprocs, args)
+    # plain: mp.spawn(worker, args=(args.nprocs, args, train), nprocs=args.nprocs)
+    hardening.spawn_workers(worker, args.nprocs, args, train)
 
 
 # --------------------------------------------------------------------------- command line
-def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
-    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
-                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
-    p.add_argument("--epochs", type=positive(int), default=1)
-    p.add_argument("--batch-size", type=positive(int), default=64)
-    p.add_argument("--lr", type=positive(float), default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None,
-                   help="stop after this many optimizer steps in total")
-    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+def parser(doc=__doc__):
+    """Lesson 1's flags and what DDP adds to them; a later lesson's script adds its own."""
+    p = Parser(doc)
+    add_training_flags(p)  # lesson 1's: --model --dataset --epochs --batch-size --lr ... (mnist_parts.py)
     p.add_argument("--nprocs", type=positive(int), default=2,
                    help="processes to spawn (ignored under torchrun, which sets WORLD_SIZE)")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
-    hardening.add_hardening_flags(p)  # plain: nothing
-    args = p.parse_args(argv)
-    if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, cpu_cores() // procs)
+    hardening.add_hardening_flags(p)  # plain: p.add_argument("--timeout", type=int, default=300)
+    return p
+
+
+def parse_args(argv=None, p=None):
+    """The command line read with parser(), or with `p`, a later lesson's parser built on it."""
+    args = (p or parser()).parse_args(argv)
+    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
     return args
 
 

@@ -8,9 +8,12 @@ are still equal.
     torchfrtrace fr                                                   # see which collective differs
     python mnist_ddp_debug.py --bug diverge --check-sync-every 10    # see silent divergence caught
 
-It needs mnist_parts.py (the data, models and evaluation) and ddp_hardening.py beside it.
-Compare it with mnist_ddp_cpu.py: the diff is the lesson.
+Compare it with mnist_ddp_cpu.py, whose launching it runs: the diff is the lesson.
 """
+try:  # lesson 2's script first, which imports the course's modules: copy them beside this file
+    import mnist_ddp_cpu as lesson2  # lesson 2's launching and command line, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
 import argparse
 import os
 import pickle
@@ -18,7 +21,6 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,12 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-try:  # the course's modules, written once: copy them beside this file
-    import ddp_hardening as hardening  # each call into it says what plain code it stands for
-    from mnist_parts import build_model, evaluate, load_split, prepare_data
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
-from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
+import ddp_hardening as hardening  # each call into it says what plain code it stands for
+from ddp_hardening import UsageError, check_writable, positive
+from mnist_parts import Report, build_model, evaluate, load_split
 
 
 # --------------------------------------------------------------------------- debugging aids
@@ -134,7 +133,6 @@ def inject_bug(bug, rank, model, args):
 
 # --------------------------------------------------------------------------- training
 def train(rank, world_size, args):
-    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
     test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
 
@@ -152,13 +150,13 @@ def train(rank, world_size, args):
                                  shuffle=not args.no_shuffle, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
-    log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
-        f"torch thread(s) each, batch {args.batch_size} per process "
-        f"({args.batch_size * world_size} in all)", flush=True)
+    report = Report(args, rank, world_size, replica_checks=0)  # rank 0 speaks, and writes the metrics
+    report.say(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
+               f"torch thread(s) each, batch {args.batch_size} per process "
+               f"({args.batch_size * world_size} in all)")
     # From here on, a rank that stalls says where it is (and writes its flight recorder).
     watchdog = Watchdog(rank, args.watchdog, args.flight_recorder)
-    history, steps, checks, start = [], 0, 0, time.perf_counter()
+    steps, checks = 0, 0
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start = time.perf_counter()
@@ -186,19 +184,8 @@ def train(rank, world_size, args):
         # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
         #    model.module is used because evaluation needs no gradient synchronisation.
         test_loss, test_accuracy = evaluate(model.module, test_images, test_labels, rank, world_size)
-        train_totals = torch.tensor([loss_sum, seen], dtype=torch.float64)
-        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
-        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
-        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
-                        "test_accuracy": test_accuracy, "seconds": seconds,
-                        "images_per_second": seen_all / seconds, "steps": steps})
-        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
-            flush=True)
-        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
-            write_metrics(args.metrics_json, {"world_size": world_size,
-                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
-                "threads_per_proc": args.threads_per_proc, "replica_checks": checks, "epochs": history})
+        report.fields["replica_checks"] = checks
+        report.epoch(epoch, loss_sum, seen, seconds, steps, test_loss, test_accuracy)
         # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
         #    backward and the all_reduce above already wait for all ranks.
         dist.barrier()
@@ -208,11 +195,8 @@ def train(rank, world_size, args):
     watchdog.stop()
 
     # 7. Print and save on rank 0 only; model.module holds plain (non-DDP) parameter names.
+    report.done(steps)
     if rank == 0:
-        last = history[-1]
-        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
-              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
-              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
         if args.check_sync_every:
             print(f"replicas compared {checks} times (every {args.check_sync_every} steps): equal",
                   flush=True)
@@ -220,28 +204,10 @@ def train(rank, world_size, args):
             torch.save(model.module.state_dict(), args.save)
 
 
-def worker(rank, world_size, args):
-    """What each process runs, whether spawned by main() or started by torchrun."""
-    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
-    #    or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective, so a
-    #    rank that dies or stalls turns into an error instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            store=hardening.attempt_store(args.timeout),  # plain: nothing
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
-            # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
-            args.dataset = hardening.prepare_in_turns(
-                lambda d: prepare_data(d, args.data_dir, not args.quiet), args.dataset, rank,
-                args.prepare_timeout)
-        train(rank, world_size, args)
-    finally:
-        dist.destroy_process_group()  # 8. tear down, even after an error
-
-
-# --------------------------------------------------------------------------- launching
+# --------------------------------------------------------------------------- launching: lesson 2's
 def check_setup(args, rank):
-    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
+    """Lesson 2's checks, then this lesson's: the flight recorder's folder, and a watchdog to write it."""
+    lesson2.check_setup(args, rank)
     if args.flight_recorder:  # every rank writes its own file, on its own machine
         if not args.watchdog or args.watchdog >= args.timeout:
             raise UsageError(f"--flight-recorder is written when the watchdog fires, before --timeout "
@@ -251,29 +217,11 @@ def check_setup(args, rank):
             raise UsageError(f"--flight-recorder: this torch ({torch.__version__}) has no way to write "
                              f"Gloo's flight recorder; leave the flag out")
         check_writable(os.path.join(args.flight_recorder, f"rank_{rank}"))
-    if rank == 0:  # only rank 0 writes them (on its own machine)
-        check_writable(args.save, args.metrics_json)
 
 
 def main(args):
-    if "RANK" in os.environ:
-        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
-        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
-        worker(rank, world_size, args)
-        return
-    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
-    check_setup(args, rank=0)
-    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = hardening.master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
-    if args.nprocs > cpu_cores() and not args.quiet:
-        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
-              f"expect it slower than fewer processes", flush=True)
-    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-    hardening.spawn_workers(worker, args.nprocs, args)
+    """Lesson 2's launching, running this file's train() (with its aids) and checks."""
+    lesson2.main(args, train, check_setup)
 
 
 # --------------------------------------------------------------------------- command line
@@ -285,27 +233,7 @@ def non_negative(text):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
-    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
-                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
-    p.add_argument("--epochs", type=positive(int), default=1)
-    p.add_argument("--batch-size", type=positive(int), default=64)
-    p.add_argument("--lr", type=positive(float), default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None,
-                   help="stop after this many optimizer steps in total")
-    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
-    p.add_argument("--nprocs", type=positive(int), default=2,
-                   help="processes to spawn (ignored under torchrun, which sets WORLD_SIZE)")
-    p.add_argument("--threads-per-proc", type=positive(int), default=None,
-                   help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
+    p = lesson2.parser(__doc__)  # lesson 2's flags; this lesson's own below
     p.add_argument("--watchdog", type=non_negative, default=60,
                    help="seconds without progress after which each rank prints where it is (0: off)")
     p.add_argument("--flight-recorder", type=str, default=None, metavar="FOLDER",
@@ -317,12 +245,7 @@ def parse_args(argv=None):
                    help="for the lesson: stall (the last rank stops responding), diverge (rank 0 "
                         "alone reloads its weights) or skip (rank 0 alone runs a barrier)")
     p.add_argument("--bug-step", type=positive(int), default=10, help="the step after which --bug strikes")
-    hardening.add_hardening_flags(p)  # plain: nothing
-    args = p.parse_args(argv)
-    if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, cpu_cores() // procs)
-    return args
+    return lesson2.parse_args(argv, p)
 
 
 if __name__ == "__main__":

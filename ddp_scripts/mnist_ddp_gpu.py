@@ -21,22 +21,21 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
     import ddp_hardening as hardening  # each call into it says what plain code it stands for
-    from mnist_parts import build_model, evaluate, load_split, prepare_data
+    from mnist_parts import Report, add_training_flags, build_model, evaluate, load_split, prepare_data
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
-from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
+from ddp_hardening import Parser, check_writable, cpu_cores, positive
 
 
 # --------------------------------------------------------------------------- training
 def train(rank, local_rank, world_size, args):
-    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
     # MNIST (220 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
     # x.to(device, non_blocking=True), so that the host goes on while the GPU copies.
-    train_images, train_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, True))
-    test_images, test_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, False))
+    train_images, train_labels = load_split(args.dataset, args.data_dir, train=True, device=device)
+    test_images, test_labels = load_split(args.dataset, args.data_dir, train=False, device=device)
 
     # 2. Instantiate the model on this rank's GPU, then wrap it; device_ids names that one GPU.
     #    The same seed gives every rank the same start (DDP also broadcasts rank 0's weights);
@@ -46,11 +45,7 @@ def train(rank, local_rank, world_size, args):
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
-    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
-    # which reads back from the GPU whether a gradient overflowed: one synchronisation per step.
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    amp_dtype, scaler = mixed_precision(args.amp, device)  # --amp: autocast's dtype, fp16's scaler
 
     # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
     #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
@@ -58,54 +53,26 @@ def train(rank, local_rank, world_size, args):
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=not args.no_shuffle, seed=args.seed)
 
-    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
-    log(f"training {args.model} on {args.dataset}: {world_size} processes on "
-        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
-        f"({args.backend}, amp {args.amp}), batch {args.batch_size} per process "
-        f"({args.batch_size * world_size} in all)", flush=True)
-    history, steps, start = [], 0, time.perf_counter()
+    report = Report(args, rank, world_size, device=args.device, amp=args.amp, backend=args.backend)
+    report.say(f"training {args.model} on {args.dataset}: {world_size} processes on "
+               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
+               f"({args.backend}, amp {args.amp}), batch {args.batch_size} per process "
+               f"({args.batch_size * world_size} in all)")
+    steps = 0
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
         batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
-        epoch_start = time.perf_counter()
-        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
-        # plain: bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
-        bar = hardening.progress(batches, f"epoch {epoch}", rank == 0 and not args.quiet)
-        for index in bar:
-            x, y = train_images[index], train_labels[index]
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()  # 4. DDP all-reduces (averages) the gradients here
-            scaler.step(optimizer)  # ... so every rank takes the same step and the replicas stay equal
-            scaler.update()
-            loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
-            seen += len(y)
-            steps += 1
-            if steps == args.max_steps:
-                break
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
-        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+        # plain: batches = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
+        batches = hardening.progress(batches, f"epoch {epoch}", rank == 0 and not args.quiet)
+        # 4. The epoch's steps, on the GPU: DDP all-reduces (averages) the gradients in each backward.
+        loss_sum, seen, steps, seconds = train_epoch(model, optimizer, scaler, amp_dtype, train_images,
+                                                     train_labels, batches, steps, args.max_steps)
 
         # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
         #    model.module is used because evaluation needs no gradient synchronisation.
         test_loss, test_accuracy = evaluate(model.module, test_images, test_labels, rank, world_size)
-        train_totals = torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=device)])
-        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
-        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
-        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
-                        "test_accuracy": test_accuracy, "seconds": seconds,
-                        "images_per_second": seen_all / seconds, "steps": steps})
-        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
-            flush=True)
-        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
-            write_metrics(args.metrics_json, {"world_size": world_size,
-                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
-                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
-                "backend": args.backend, "epochs": history})
+        report.epoch(epoch, loss_sum, seen, seconds, steps, test_loss, test_accuracy)
         # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
         #    backward and the all_reduce above already wait for all ranks. NCCL's barrier is a
         #    tiny all-reduce on a GPU: name this rank's, or torch guesses the device.
@@ -114,22 +81,53 @@ def train(rank, local_rank, world_size, args):
             break
 
     # 7. Print and save on rank 0 only; model.module holds plain (non-DDP) parameter names.
-    if rank == 0:
-        last = history[-1]
-        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
-              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
-              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
-        if args.save:
-            torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
+    report.done(steps)
+    if rank == 0 and args.save:
+        torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
 
 
-def worker(rank, world_size, args):
-    """What each process runs, whether spawned by main() or started by torchrun."""
+def mixed_precision(amp, device):
+    """--amp's autocast dtype (bf16, fp16; None: off) and gradient scaler. Autocast runs matmuls and
+    convolutions in 16 bits. fp16 has a small range, so the scaler scales its loss up before backward
+    (and the gradients back down), reading back from the GPU whether a gradient overflowed: one
+    synchronisation per step. bf16 has float32's range: its scaler is off, a no-op."""
+    return ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp),
+            torch.amp.GradScaler(device.type, enabled=amp == "fp16"))
+
+
+def train_epoch(model, optimizer, scaler, amp_dtype, images, labels, batches, steps, max_steps):
+    """One epoch: a step for each batch of indices into images and labels, until max_steps steps in
+    all. Returns the loss summed over its samples, their number, the steps so far and the epoch's
+    seconds (training only: evaluation excluded)."""
+    start, device = time.perf_counter(), images.device
+    loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
+    for index in batches:
+        x, y = images[index], labels[index]  # a gather on the GPU: no copy from the host
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here
+        scaler.step(optimizer)  # ... so every rank takes the same step and the replicas stay equal
+        scaler.update()
+        loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
+        seen += len(y)
+        steps += 1
+        if steps == max_steps:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
+    return loss_sum, seen, steps, time.perf_counter() - start
+
+
+def worker(rank, world_size, args, train=train):
+    """What each process runs, whether spawned by main() or started by torchrun: `train` (this
+    file's, or the one a later lesson's script passes) inside a process group."""
     # One GPU per process: local_rank numbers the processes on this machine (rank counts all
     # machines). Select the GPU before anything touches CUDA, or every rank piles onto GPU 0.
     local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
+    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
     #    or by torchrun); NCCL is the backend for GPUs (Gloo for CPUs). The timeout bounds every
     #    collective, so a rank that dies or stalls turns into an error instead of a hang.
@@ -148,50 +146,27 @@ def worker(rank, world_size, args):
 
 
 # --------------------------------------------------------------------------- launching
-def check_device(args, gpu=0):
-    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
-    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
-    if args.device == "cpu":
-        if args.backend == "nccl":
-            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
-        if args.amp == "fp16":
-            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
-        return
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
-                         "to run on CPU instead: --backend gloo --device cpu")
-    if args.backend == "nccl" and not dist.is_nccl_available():
-        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
-                         "or use --backend gloo")
-    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
-                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
-    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
-        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
-                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
-                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
-
-
 def check_setup(args, rank):
     """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
+    # plain: nothing (refuses NCCL on a CPU, fp16 on a CPU, more ranks than GPUs, bf16 without it)
+    hardening.check_device(args.device, args.backend, args.amp, args.nprocs,
+                           gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 
 
-def main(args):
+def main(args, train=train, check_setup=check_setup):
+    """Run train(rank, local_rank, world_size, args) in every process of the job; a later lesson's
+    script passes its own train and check_setup, and the launching stays this lesson's."""
     if "RANK" in os.environ:
         # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
         # and MASTER_PORT. Each rank checks its own set-up before joining the group.
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
-        worker(rank, world_size, args)
+        worker(rank, world_size, args, train)
         return
     # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
+    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args, train).
     check_setup(args, rank=0)
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -199,24 +174,15 @@ def main(args):
     if args.nprocs > cpu_cores() and not args.quiet:
         print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
               f"expect it slower than fewer processes", flush=True)
-    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-    hardening.spawn_workers(worker, args.nprocs, args)
+    # plain: mp.spawn(worker, args=(args.nprocs, args, train), nprocs=args.nprocs)
+    hardening.spawn_workers(worker, args.nprocs, args, train)
 
 
 # --------------------------------------------------------------------------- command line
-def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
-    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
-                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
-    p.add_argument("--epochs", type=positive(int), default=1)
-    p.add_argument("--batch-size", type=positive(int), default=64)
-    p.add_argument("--lr", type=positive(float), default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None,
-                   help="stop after this many optimizer steps in total")
-    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+def parser(doc=__doc__):
+    """Lesson 1's flags, what DDP adds to them, and the device's; a later lesson's script adds its own."""
+    p = Parser(doc)
+    add_training_flags(p)  # lesson 1's: --model --dataset --epochs --batch-size --lr ... (mnist_parts.py)
     p.add_argument("--nprocs", type=positive(int), default=None,
                    help="processes to spawn (default: one per visible GPU, 2 on CPU; "
                         "ignored under torchrun, which sets WORLD_SIZE)")
@@ -227,20 +193,18 @@ def parse_args(argv=None):
                    help="mixed precision (fp16 with a gradient scaler)")
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
-    hardening.add_hardening_flags(p)  # plain: nothing
-    args = p.parse_args(argv)
+    hardening.add_hardening_flags(p)  # plain: p.add_argument("--timeout", type=int, default=300)
+    return p
+
+
+def parse_args(argv=None, p=None):
+    """The command line read with parser(), or with `p`, a later lesson's parser built on it."""
+    args = (p or parser()).parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.nprocs is None:  # one process per visible GPU
         args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
-    if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, cpu_cores() // procs)
+    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
     return args
 
 

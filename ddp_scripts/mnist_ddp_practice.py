@@ -8,15 +8,14 @@
     python mnist_ddp_practice.py --compile aot_eager         # torch.compile of the DDP model
     python mnist_ddp_practice.py --amp fp16 --clip 1.0       # a scaled loss, clipped after unscaling
 
-Lesson 1's data, models and evaluation come from mnist_parts.py; what keeps the job safe on a real
-cluster comes from ddp_hardening.py, in the few calls marked `hardening.`: copy both beside it.
-Compare it with mnist_ddp_cpu.py: the diff is what this lesson adds.
+Compare it with mnist_ddp_cpu.py, whose launching it runs: the diff is what this lesson adds.
 """
-import os
-import sys
+try:  # lesson 2's script first, which imports the course's modules: copy them beside this file
+    import mnist_ddp_cpu as lesson2  # lesson 2's launching and command line, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
 import time
 from contextlib import nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,12 +27,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-try:  # the course's modules, written once: copy them beside this file
-    import ddp_hardening as hardening  # each call into it says what plain code it stands for
-    from mnist_parts import build_model, evaluate, load_split, prepare_data
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
-from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
+import ddp_hardening as hardening  # each call into it says what plain code it stands for
+from ddp_hardening import UsageError, positive
+from mnist_parts import Report, build_model, evaluate, load_split
 
 
 # --------------------------------------------------------------------------- BatchNorm across ranks
@@ -129,7 +125,6 @@ def replica_spread(model):
 
 # --------------------------------------------------------------------------- training
 def train(rank, world_size, args):
-    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     train_images, train_labels = load_split(args.dataset, args.data_dir, train=True)
     test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
     if args.float64:  # for comparisons with one process that show the arithmetic, not float32's rounding
@@ -161,11 +156,12 @@ def train(rank, world_size, args):
                                  shuffle=not args.no_shuffle, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
-    log(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
-        f"torch thread(s) each, batch {args.batch_size} per process "
-        f"({args.batch_size * world_size} in all)", flush=True)
-    history, steps, norms, start = [], 0, [], time.perf_counter()
+    report = Report(args, rank, world_size, batchnorm=args.batchnorm, compile=args.compile, amp=args.amp,
+                    float64=args.float64, clip_norms=[])  # rank 0 speaks, and writes the metrics JSON
+    report.say(f"training {args.model} on {args.dataset}: {world_size} processes, {args.threads_per_proc} "
+               f"torch thread(s) each, batch {args.batch_size} per process "
+               f"({args.batch_size * world_size} in all)")
+    steps, norms = 0, report.fields["clip_norms"]
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         epoch_start = time.perf_counter()
@@ -191,37 +187,24 @@ def train(rank, world_size, args):
                         norms.append(nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())
                     scaler.step(optimizer)  # ... so every rank takes the same step
                     scaler.update()
+                    steps += 1
                     loss_sum += loss.item() * len(y)
                     seen += len(y)
-                    steps += 1
                     if steps == args.max_steps:
                         break
         except RuntimeError as err:
             if "exhausted" not in str(err):  # raised by Join on every rank: the epoch ends here
                 raise
-            log(f"epoch {epoch}: a rank ran out of batches after {steps} steps: {err}", flush=True)
+            report.say(f"epoch {epoch}: a rank ran out of batches after {steps} steps: {err}")
         seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
 
         # 5. Evaluate across ranks: each scores a shard, all_reduce adds the sums up. The plain
         #    model.module is used because evaluation needs no gradient synchronisation.
         test_loss, test_accuracy = evaluate(plain, test_images, test_labels, rank, world_size)
         spread = replica_spread(plain)  # were the ranks' copies equal when they were scored?
-        train_totals = torch.tensor([loss_sum, seen], dtype=torch.float64)
-        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
-        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
-        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
-                        "test_accuracy": test_accuracy, "seconds": seconds,
-                        "images_per_second": seen_all / seconds, "steps": steps, "spread": spread})
-        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s  "
-            f"ranks apart by {spread['parameters']:.2g} (parameters), {spread['buffers']:.2g} (buffers)",
-            flush=True)
-        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
-            write_metrics(args.metrics_json, {"world_size": world_size,
-                "model": args.model, "dataset": args.dataset, "batch_size": args.batch_size,
-                "threads_per_proc": args.threads_per_proc, "batchnorm": args.batchnorm,
-                "compile": args.compile, "amp": args.amp, "float64": args.float64, "clip_norms": norms,
-                "epochs": history})
+        report.epoch(epoch, loss_sum, seen, seconds, steps, test_loss, test_accuracy, spread=spread,
+                     note=f"  ranks apart by {spread['parameters']:.2g} (parameters), "
+                          f"{spread['buffers']:.2g} (buffers)")
         # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
         #    backward and the all_reduce above already wait for all ranks.
         dist.barrier()
@@ -229,85 +212,21 @@ def train(rank, world_size, args):
             break
 
     # 7. Print and save on rank 0 only; `plain` holds plain (non-DDP) parameter names.
-    if rank == 0:
-        last = history[-1]
-        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
-              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
-              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
-        if args.save:
-            torch.save(plain.state_dict(), args.save)
+    report.done(steps)
+    if rank == 0 and args.save:
+        torch.save(plain.state_dict(), args.save)
 
 
-def worker(rank, world_size, args):
-    """What each process runs, whether spawned by main() or started by torchrun."""
-    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
-    #    or by torchrun); Gloo is the backend for CPUs. The timeout bounds every collective, so a
-    #    rank that dies or stalls turns into an error instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            store=hardening.attempt_store(args.timeout),  # plain: nothing
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
-            # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
-            args.dataset = hardening.prepare_in_turns(
-                lambda d: prepare_data(d, args.data_dir, not args.quiet), args.dataset, rank,
-                args.prepare_timeout)
-        train(rank, world_size, args)
-    finally:
-        dist.destroy_process_group()  # 8. tear down, even after an error
-
-
-# --------------------------------------------------------------------------- launching
-def check_setup(args, rank):
-    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    if rank == 0:  # only rank 0 writes them (on its own machine)
-        check_writable(args.save, args.metrics_json)
-
-
+# --------------------------------------------------------------------------- launching: lesson 2's
 def main(args):
-    if "RANK" in os.environ:
-        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
-        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
-        worker(rank, world_size, args)
-        return
-    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
-    check_setup(args, rank=0)
-    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = hardening.master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
-    if args.nprocs > cpu_cores() and not args.quiet:
-        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
-              f"expect it slower than fewer processes", flush=True)
-    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-    hardening.spawn_workers(worker, args.nprocs, args)
+    """Lesson 2's launching, running this file's train(): BatchNorm, Join, compile, ..."""
+    lesson2.main(args, train, lesson2.check_setup)
 
 
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = lesson2.parser(__doc__)  # lesson 2's flags; this lesson's own below
     p.add_argument("--model", choices=["linear", "convnet", "bnnet"], default="bnnet")
-    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
-                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
-    p.add_argument("--epochs", type=positive(int), default=1)
-    p.add_argument("--batch-size", type=positive(int), default=64)
-    p.add_argument("--lr", type=positive(float), default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None,
-                   help="stop after this many optimizer steps in total")
-    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
-    p.add_argument("--nprocs", type=positive(int), default=2,
-                   help="processes to spawn (ignored under torchrun, which sets WORLD_SIZE)")
-    p.add_argument("--threads-per-proc", type=positive(int), default=None,
-                   help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
     p.add_argument("--batchnorm", choices=["local", "sync"], default="local",
                    help="bnnet's statistics: each rank's own batch, or the global batch (by hand)")
     p.add_argument("--no-buffer-sync", action="store_true",
@@ -328,17 +247,13 @@ def parse_args(argv=None):
                         "arithmetic, not float32's rounding (lesson 12, section 2)")
     p.add_argument("--clip", type=positive(float), default=None, help="clip the gradients' norm to this")
     p.add_argument("--clip-before-unscale", action="store_true", help="the mistake: clip scaled gradients")
-    hardening.add_hardening_flags(p)  # plain: nothing
-    args = p.parse_args(argv)
+    args = lesson2.parse_args(argv, p)
     if args.model != "bnnet" and (args.batchnorm != "local" or args.unused_head or args.checkpoint != "off"):
         raise UsageError("--batchnorm, --unused-head and --checkpoint change bnnet: use --model bnnet")
     if args.float64 and args.amp != "off":
         raise UsageError("--amp computes in 16 bits, --float64 in 64: use one of them")
     if args.uneven < 0:
         raise UsageError(f"--uneven must be 0 or more, got {args.uneven}")
-    if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, cpu_cores() // procs)
     return args
 
 

@@ -8,23 +8,23 @@
 Under DDP every rank holds all the parameters, their gradients and AdamW's state (twice the model):
 --shard zero splits AdamW's state across the ranks, --shard fsdp (FSDP2's fully_shard, public in
 torch.distributed.fsdp since torch 2.6) every one of those tensors.
-It needs mnist_parts.py (the data, models and evaluation) and ddp_hardening.py beside it.
-Compare it with mnist_ddp_gpu.py: the diff is what sharding adds.
+Compare it with mnist_ddp_gpu.py, whose launching it runs: the diff is what sharding adds.
 """
+try:  # lesson 3's script first, which imports the course's modules: copy them beside this file
+    import mnist_ddp_gpu as lesson3  # lesson 3's launching, command line and epoch, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
+    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
 import json
 import math
 import os
 import resource
 import shutil
 import sys
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as fsdp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,24 +37,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-try:  # the course's modules, written once: copy them beside this file
-    import ddp_hardening as hardening  # each call into it says what plain code it stands for
-    from mnist_parts import build_model, evaluate, load_split, prepare_data
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
-from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, write_metrics
+import ddp_hardening as hardening  # each call into it says what plain code it stands for
+from ddp_hardening import UsageError, check_writable, positive, write_metrics
+from mnist_parts import Report, build_model, evaluate, load_split
 
 
 # --------------------------------------------------------------------------- training
 def train(rank, local_rank, world_size, args):
-    torch.set_num_threads(args.threads_per_proc)  # cores // processes: do not oversubscribe
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
+    # The batch per rank: --global-batch-size G split over the ranks, or --batch-size.
+    batch = args.global_batch_size // world_size if args.global_batch_size else args.batch_size
     # MNIST (220 MB as floats) fits on any GPU: each rank keeps the whole set on its own device
     # and gathers a batch with one indexing kernel. No host-to-device copy per step, no per-sample
     # collate. For data that does not fit: DataLoader(..., pin_memory=True), then
     # x.to(device, non_blocking=True), so that the host goes on while the GPU copies.
-    train_images, train_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, True))
-    test_images, test_labels = (t.to(device) for t in load_split(args.dataset, args.data_dir, False))
+    train_images, train_labels = load_split(args.dataset, args.data_dir, train=True, device=device)
+    test_images, test_labels = load_split(args.dataset, args.data_dir, train=False, device=device)
 
     # 2. Instantiate the model on this rank's GPU, then wrap it, or shard it. The same seed gives
     #    every rank the same start (DDP would broadcast rank 0's weights anyway; fully_shard sends
@@ -83,11 +81,7 @@ def train(rank, local_rank, world_size, args):
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
     else:  # under DDP, of the whole parameters; under FSDP, of the shards: its state sharded as they are
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    # Mixed precision: autocast runs matmuls and convolutions in bf16/fp16. fp16 has a small
-    # range, so its loss is scaled up before backward (and the gradients back down) by a scaler,
-    # which reads back from the GPU whether a gradient overflowed: one synchronisation per step.
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    amp_dtype, scaler = lesson3.mixed_precision(args.amp, device)  # --amp: autocast's dtype, fp16's scaler
 
     # 3. Per-process data: the sampler gives rank r the samples r, r+N, r+2N, ... of a
     #    permutation shared by all ranks; it pads so that every rank runs the same number of steps.
@@ -96,17 +90,16 @@ def train(rank, local_rank, world_size, args):
     train_set = TensorDataset(train_images, train_labels)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=not args.no_shuffle, seed=args.seed)
-    batch = args.global_batch_size // world_size if args.global_batch_size else args.batch_size
 
-    log = print if rank == 0 and not args.quiet else (lambda *a, **k: None)  # rank 0 speaks
-    log(f"training {args.model} on {args.dataset}, --shard {args.shard}: {world_size} processes on "
-        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
-        f"({args.backend}, amp {args.amp}), batch {batch} per process ({batch * world_size} in all)",
-        flush=True)
-    history, steps, start = [], 0, time.perf_counter()
+    report = Report(args, rank, world_size, batch_size=batch, device=args.device, amp=args.amp,
+                    backend=args.backend, shard=args.shard, global_batch_size=batch * world_size)
+    report.say(f"training {args.model} on {args.dataset}, --shard {args.shard}: {world_size} processes on "
+               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
+               f"({args.backend}, amp {args.amp}), batch {batch} per process ({batch * world_size} in all)")
+    steps = 0
     if args.resume_from:  # the steps taken, the weights and AdamW's state, on any number of ranks
         steps = load_checkpoint(args, model, optimizer)
-        log(f"resumed from {args.resume_from} after {steps} steps", flush=True)
+        report.say(f"resumed from {args.resume_from} after {steps} steps")
     steps_per_epoch = math.ceil(len(sampler) / batch)
     first_epoch, skip = steps // steps_per_epoch + 1, steps % steps_per_epoch
     for epoch in range(first_epoch, args.epochs + 1):
@@ -114,27 +107,14 @@ def train(rank, local_rank, world_size, args):
         # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
         batches = torch.tensor(list(sampler), device=device).split(batch)
         batches = batches[skip:] if epoch == first_epoch else batches  # resumed: the steps left
-        epoch_start = time.perf_counter()
-        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0
         # plain: bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         bar = hardening.progress(batches, f"epoch {epoch}", rank == 0 and not args.quiet)
-        for index in bar:
-            x, y = train_images[index], train_labels[index]
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y)
-            # 4. DDP (and ZeRO) all-reduce the gradients here, FSDP reduce-scatters them.
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)  # DDP: all of it on every rank; ZeRO: a share each, then sent; FSDP: rows
-            scaler.update()
-            loss_sum += loss.detach() * len(y)  # stays on the GPU: no .item(), no wait per step
-            seen += len(y)
-            steps += 1
-            if steps == args.max_steps:
-                break
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
-        seconds = time.perf_counter() - epoch_start  # training only, evaluation excluded
+        # 4. Lesson 3's epoch. In each backward DDP (and ZeRO) all-reduce the gradients, FSDP
+        #    reduce-scatters them; the optimizer step then updates, under DDP, all of the model on
+        #    every rank; under ZeRO a share on each, sent to the others; under FSDP each rank's rows.
+        loss_sum, seen, steps, seconds = lesson3.train_epoch(model, optimizer, scaler, amp_dtype,
+                                                             train_images, train_labels, bar, steps,
+                                                             args.max_steps)
 
         # What this rank holds now, after a step: measured, not computed from the sizes.
         per_rank = [None] * world_size
@@ -143,22 +123,9 @@ def train(rank, local_rank, world_size, args):
         #    model.module needs no gradient synchronisation; FSDP's model gathers its layers.
         plain = model.module if isinstance(model, DDP) else model
         test_loss, test_accuracy = evaluate(plain, test_images, test_labels, rank, world_size)
-        train_totals = torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=device)])
-        dist.all_reduce(train_totals, op=dist.ReduceOp.SUM)
-        loss_mean, seen_all = (train_totals[0] / train_totals[1]).item(), int(train_totals[1])
-        history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
-                        "test_accuracy": test_accuracy, "seconds": seconds,
-                        "images_per_second": seen_all / seconds, "steps": steps})
-        log(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s",
-            flush=True)
-        if rank == 0 and args.metrics_json:  # after every epoch: a crash keeps the epochs done
-            write_metrics(args.metrics_json, {"world_size": world_size,
-                "model": args.model, "dataset": args.dataset, "batch_size": batch,
-                "threads_per_proc": args.threads_per_proc, "device": args.device, "amp": args.amp,
-                "backend": args.backend, "shard": args.shard, "global_batch_size": batch * world_size,
-                "state_mib_per_rank": [s for s, _ in per_rank], "peak_mib_per_rank": [p for _, p in per_rank],
-                "epochs": history})
+        report.fields.update(state_mib_per_rank=[s for s, _ in per_rank],
+                             peak_mib_per_rank=[p for _, p in per_rank])
+        report.epoch(epoch, loss_sum, seen, seconds, steps, test_loss, test_accuracy)
         if args.checkpoint_dir:  # after every epoch, and the last one cut short by --max-steps
             save_checkpoint(args, model, optimizer, steps, steps // steps_per_epoch, batch * world_size)
         # 6. Optional: a barrier keeps the ranks' epochs in step. DDP does not need it: every
@@ -173,13 +140,9 @@ def train(rank, local_rank, world_size, args):
     if args.save:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=options)  # empty on the other ranks
-    if rank == 0:
-        last = history[-1]
-        print(f"done: {args.model} on {args.dataset}, {world_size} processes, {steps} steps, "
-              f"test accuracy {last['test_accuracy']:.2%}, {last['images_per_second']:,.0f} "
-              f"images/s, {time.perf_counter() - start:.1f} s in all", flush=True)
-        if args.save:
-            torch.save(weights, args.save)
+    report.done(steps)
+    if rank == 0 and args.save:
+        torch.save(weights, args.save)
 
 
 def state_bytes(model, optimizer):
@@ -243,65 +206,13 @@ def load_checkpoint(args, model, optimizer):
     return meta["steps"]
 
 
-def worker(rank, world_size, args):
-    """What each process runs, whether spawned by main() or started by torchrun."""
-    # One GPU per process: local_rank numbers the processes on this machine (rank counts all
-    # machines). Select the GPU before anything touches CUDA, or every rank piles onto GPU 0.
-    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ else rank  # torchrun sets it
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    # 1. Join the process group. Every rank meets at MASTER_ADDR:MASTER_PORT (set by main() below
-    #    or by torchrun); NCCL is the backend for GPUs (Gloo for CPUs). The timeout bounds every
-    #    collective, so a rank that dies or stalls turns into an error instead of a hang.
-    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=hardening.attempt_store(args.timeout),  # plain: nothing
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        if "RANK" in os.environ:  # torchrun: no launcher has prepared the data; the ranks do
-            # plain: args.dataset = prepare_data(args.dataset, args.data_dir)
-            args.dataset = hardening.prepare_in_turns(
-                lambda d: prepare_data(d, args.data_dir, not args.quiet), args.dataset, rank,
-                args.prepare_timeout)
-        train(rank, local_rank, world_size, args)
-    finally:
-        dist.destroy_process_group()  # 8. tear down, even after an error
-
-
-# --------------------------------------------------------------------------- launching
-def check_device(args, gpu=0):
-    """Refuse, before any process starts, what cannot work; say what to do instead. gpu: the index
-    of the GPU to ask about (asking with no index would start CUDA on GPU 0 in every process)."""
-    if args.device == "cpu":
-        if args.backend == "nccl":
-            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
-        if args.amp == "fp16":
-            raise UsageError("--amp fp16 is for GPUs here: use --amp bf16 (or off) with --device cpu")
-        return
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
-                         "to run on CPU instead: --backend gloo --device cpu")
-    if args.backend == "nccl" and not dist.is_nccl_available():
-        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
-                         "or use --backend gloo")
-    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
-                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
-    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
-        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
-                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
-    if args.amp == "bf16" and torch.cuda.get_device_capability(gpu) < (8, 0):
-        raise UsageError(f"{torch.cuda.get_device_name(gpu)} has no native bf16 (before compute "
-                         f"capability 8.0 it is emulated, slowly): use --amp fp16")
-
-
+# --------------------------------------------------------------------------- launching: lesson 3's
 def check_setup(args, rank):
-    """Refuse, before this rank joins the group, what cannot work; say what to do instead."""
-    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
+    """Lesson 3's checks, then this lesson's: what sharding needs, where the checkpoints go."""
+    lesson3.check_setup(args, rank)
     check_sharding(args, world_size=int(os.environ.get("WORLD_SIZE", args.nprocs)))
-    if rank == 0:  # only rank 0 writes them (on its own machine)
-        check_writable(args.save, args.metrics_json,
-                       args.checkpoint_dir and os.path.join(args.checkpoint_dir, "latest.json"))
+    if rank == 0 and args.checkpoint_dir:
+        check_writable(os.path.join(args.checkpoint_dir, "latest.json"))
 
 
 def check_sharding(args, world_size):
@@ -331,53 +242,18 @@ def check_sharding(args, world_size):
 
 
 def main(args):
-    if "RANK" in os.environ:
-        # Started by torchrun: this process already is one rank, and torchrun has set MASTER_ADDR
-        # and MASTER_PORT. Each rank checks its own set-up before joining the group.
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
-        worker(rank, world_size, args)
-        return
-    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args).
-    check_setup(args, rank=0)
-    args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = hardening.master_port()  # plain: os.environ["MASTER_PORT"] = str(free_port())
-    if args.nprocs > cpu_cores() and not args.quiet:
-        print(f"note: {args.nprocs} processes on {cpu_cores()} cores: they will take turns, "
-              f"expect it slower than fewer processes", flush=True)
-    # plain: mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-    hardening.spawn_workers(worker, args.nprocs, args)
+    """Lesson 3's launching, running this file's train() (which shards) and checks."""
+    lesson3.main(args, train, check_setup)
 
 
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = lesson3.parser(__doc__)  # lesson 3's flags; this lesson's own below
     p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="mlp")
-    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
-                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
-    p.add_argument("--epochs", type=positive(int), default=1)
-    p.add_argument("--batch-size", type=positive(int), default=64)
     p.add_argument("--global-batch-size", type=positive(int), default=None,
                    help="the batch of all ranks together (instead of --batch-size per rank): keep it "
                         "when changing the number of ranks, and every step stays the same")
     p.add_argument("--lr", type=positive(float), default=1e-3, help="AdamW's learning rate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None,
-                   help="stop after this many optimizer steps in total")
-    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
-    p.add_argument("--nprocs", type=positive(int), default=None,
-                   help="processes to spawn (default: one per visible GPU, 2 on CPU; "
-                        "ignored under torchrun, which sets WORLD_SIZE)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl with --device cuda, gloo with --device cpu")
-    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
-                   help="mixed precision (fp16 with a gradient scaler)")
-    p.add_argument("--threads-per-proc", type=positive(int), default=None,
-                   help="torch threads per process (default: cores // processes, at least 1)")
     p.add_argument("--shard", choices=["ddp", "zero", "fsdp"], default="fsdp",
                    help="ddp: all on every rank; zero: AdamW's state sharded (ZeroRedundancyOptimizer); "
                         "fsdp (default): parameters, gradients and AdamW's state sharded (fully_shard)")
@@ -391,20 +267,7 @@ def parse_args(argv=None):
     p.add_argument("--save", type=str, default=None,
                    help="write the final state_dict here: whole, plain (loads into build_model()) "
                         "in every mode")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
-    hardening.add_hardening_flags(p)  # plain: nothing
-    args = p.parse_args(argv)
-    if args.backend is None:
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.nprocs is None:  # one process per visible GPU
-        args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
-    if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, cpu_cores() // procs)
-    return args
+    return lesson3.parse_args(argv, p)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ batch, and the weights end where one process's would on the same batches.
 A teaching script, Gloo on CPU: it reads the data that mnist_single.py (or any lesson script) has
 prepared, and it has none of the hardening of mnist_ddp_cpu.py.
 """
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,8 +34,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 try:  # the course's modules, written once: copy them beside this file
-    from mnist_parts import load_split, prepared
-    from ddp_hardening import Parser, UsageError, free_port, positive
+    from mnist_parts import add_prepared_flags, load_split, prepared, save_outputs
+    from ddp_hardening import Parser, UsageError, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
@@ -348,17 +346,12 @@ def worker(rank, world_size, args):
               f"{extra}, {len(losses)} steps, {per_step * 1000:.1f} ms a step (median), final loss "
               f"{losses[-1] if losses else float('nan'):.4f}, test accuracy {correct / len(test_labels):.2%}",
               flush=True)
-        if args.save:
-            torch.save(plain.state_dict(), args.save)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as f:
-                json.dump({"mode": args.mode, "world_size": world_size, "width": args.width,
-                           "batch_size": args.batch_size, "microbatches": args.microbatches,
-                           "schedule": args.schedule, "loss": losses, "seconds_per_step": seconds,
-                           "saved_peak_bytes": getattr(args, "saved_peak_bytes", None),
-                           "timeline": getattr(args, "timeline", None),
-                           "idle_shares": idle,
-                           "slot_seconds": slot_seconds(args.timeline) if args.mode == "pp" else None}, f)
+        save_outputs(args, plain.state_dict(), {
+            "mode": args.mode, "world_size": world_size, "width": args.width, "batch_size": args.batch_size,
+            "microbatches": args.microbatches, "schedule": args.schedule, "loss": losses,
+            "seconds_per_step": seconds, "saved_peak_bytes": getattr(args, "saved_peak_bytes", None),
+            "timeline": getattr(args, "timeline", None), "idle_shares": idle,
+            "slot_seconds": slot_seconds(args.timeline) if args.mode == "pp" else None})
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
@@ -367,30 +360,21 @@ def worker(rank, world_size, args):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(__doc__)
+    add_prepared_flags(p)  # --dataset --data-dir --lr --seed --max-steps --nprocs --save ... (mnist_parts.py)
     p.add_argument("--mode", choices=["tp", "pp"], required=True,
                    help="tp: tensor parallelism, pp: pipeline parallelism")
-    p.add_argument("--nprocs", type=positive(int), default=2)
     p.add_argument("--width", type=positive(int), default=2048, help="the MLP's hidden width")
     p.add_argument("--microbatches", type=positive(int), default=4, help="(pp) per global batch")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "1f1b-by-hand"], default="gpipe",
                    help="(pp) all forwards then all backwards, or one forward one backward "
                         "(torch's Schedule1F1B, or written out in this script)")
-    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
-                   help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
     p.add_argument("--epochs", type=positive(int), default=1)
     p.add_argument("--batch-size", type=positive(int), default=64, help="global: every rank sees all of it")
-    p.add_argument("--lr", type=positive(float), default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive(int), default=None)
-    p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--save", type=str, default=None, help="write the whole model's state_dict here")
     p.add_argument("--metrics-json", type=str, default=None, help="loss and seconds per step")
-    p.add_argument("--quiet", action="store_true", help="print only the final line")
-    p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
     args = p.parse_args(argv)
-
+    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     if args.mode == "tp" and args.width % args.nprocs:
         raise UsageError(f"--width {args.width} does not split evenly over --nprocs {args.nprocs} "
                          f"(tensor parallelism gives each process width/nprocs features)")
@@ -404,19 +388,9 @@ def parse_args(argv=None):
     if args.mode == "pp" and args.batch_size % args.microbatches:
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "
                          f"{args.batch_size}: every micro-batch must have the same size")
-
-    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     return args
 
 
-def main(args):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-
-
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except UsageError as err:  # something the user can fix: one line, no traceback
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    # plain: args = parse_args(); MASTER_ADDR/PORT here; mp.spawn(worker, args=(args.nprocs, args))
+    run_plainly(worker, parse_args)

@@ -1,11 +1,15 @@
 """The MNIST pieces of the course, written once: the data (files, download, an offline fallback),
-the models and the evaluation. Lesson 1's script and every MNIST lesson after it import them; copy
-this file beside a lesson script (with ddp_hardening.py for a DDP script).
+the models, the evaluation, lesson 1's command line and what each run reports. Lesson 1's script
+and every MNIST lesson after it import them; copy this file beside a lesson script (with
+ddp_hardening.py, which it imports).
 
     prepare_data(dataset, data_dir)     put the files in place once; returns "mnist" or "fashion-mnist"
-    load_split(dataset, data_dir, train)      the split as two tensors: images N x 1 x 28 x 28, labels
+    load_split(dataset, data_dir, train, device)   the split as two tensors: images N x 1 x 28 x 28, labels
     build_model(name)                   "linear", "convnet" or "mlp"
     evaluate(model, images, labels, rank, world_size)   test loss and accuracy, over every rank
+    add_training_flags(parser)          lesson 1's flags: --model --dataset --epochs --batch-size ...
+    Report(args, rank, world_size)      rank 0's lines, the metrics JSON and the `done:` summary
+    prepared, add_prepared_flags, save_outputs   for the by-hand scripts, which read lesson 1's files
 """
 import gzip
 import math
@@ -13,6 +17,7 @@ import os
 import shutil
 import socket
 import struct
+import time
 from urllib.error import URLError
 from urllib.request import getproxies
 
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from ddp_hardening import UsageError
+from ddp_hardening import UsageError, positive, write_metrics
 
 # --------------------------------------------------------------------------- data
 # torchvision's folder names. The files are read here: importing torchvision takes ~1.5 s.
@@ -122,13 +127,14 @@ def read_idx(path):
     return torch.frombuffer(data, dtype=torch.uint8, offset=offset).reshape(shape)
 
 
-def load_split(name, data_dir, train):
-    """Decode the whole split into tensors once: no per-sample PIL work while training."""
+def load_split(name, data_dir, train, device="cpu"):
+    """Decode the whole split into tensors once: no per-sample PIL work while training. On a GPU
+    (`device`), the whole split fits: a batch is then gathered there, with no copy per step."""
     prefix = os.path.join(raw_dir(name, data_dir), "train" if train else "t10k")
     images, labels = read_idx(f"{prefix}-images-idx3-ubyte"), read_idx(f"{prefix}-labels-idx1-ubyte")
     mean, std = MEAN_STD[name]
     images = images.float().div_(255).sub_(mean).div_(std).unsqueeze(1)  # N x 1 x 28 x 28, in place
-    return images, labels.long()
+    return images.to(device), labels.long().to(device)
 
 
 # --------------------------------------------------------------------------- models
@@ -182,3 +188,92 @@ def evaluate(model, images, labels, rank=0, world_size=1):
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     model.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+# --------------------------------------------------------------------------- the command line
+def add_training_flags(p):
+    """Lesson 1's flags, which every MNIST script takes; a later script adds its own after them,
+    and may define one of these again to change it (ddp_hardening.Parser lets the last one win)."""
+    p.add_argument("--model", choices=["linear", "convnet"], default="convnet")
+    p.add_argument("--dataset", choices=["auto", "mnist", "fashion-mnist"], default="auto",
+                   help="auto: MNIST if present or downloadable, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--epochs", type=positive(int), default=1)
+    p.add_argument("--batch-size", type=positive(int), default=64)
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop after this many optimizer steps in total")
+    p.add_argument("--no-shuffle", action="store_true", help="fixed sample order")
+    p.add_argument("--save", type=str, default=None, help="write the final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+
+def add_prepared_flags(p):
+    """The flags the by-hand scripts share: the data lesson 1's script prepared (they download
+    nothing: prepared() checks it), the schedule, the ranks, the outputs, the collectives' timeout."""
+    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
+                   help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
+    p.add_argument("--data-dir", type=str, default="data")
+    p.add_argument("--lr", type=positive(float), default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=positive(int), default=None)
+    p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--nprocs", type=positive(int), default=2)
+    p.add_argument("--save", type=str, default=None, help="write rank 0's final state_dict here")
+    p.add_argument("--metrics-json", type=str, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the final line")
+    p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
+
+
+def save_outputs(args, weights, metrics):
+    """Rank 0's outputs of a by-hand run: --save's weights, --metrics-json's record (written whole)."""
+    if args.save:
+        torch.save(weights, args.save)
+    if args.metrics_json:
+        write_metrics(args.metrics_json, metrics)
+
+
+# --------------------------------------------------------------------------- what a run reports
+class Report:
+    """What every MNIST script reports, rank 0 speaking: its lines (`say`), one line per epoch, the
+    metrics JSON after each epoch (a crash keeps the epochs done) and the `done:` summary. `fields`:
+    what the JSON holds beside the epochs (a field of the same name replaces the default one)."""
+
+    def __init__(self, args, rank=0, world_size=1, **fields):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.fields = {"world_size": world_size, "model": args.model, "dataset": args.dataset,
+                       "batch_size": args.batch_size, "threads_per_proc": args.threads_per_proc, **fields}
+        self.history, self.start = [], time.perf_counter()
+
+    def say(self, text):
+        if self.rank == 0 and not self.args.quiet:
+            print(text, flush=True)
+
+    def epoch(self, epoch, loss_sum, seen, seconds, steps, test_loss, test_accuracy, note="", **more):
+        """Record an epoch: its training loss over every rank (the ranks' sums and counts added up
+        by an all_reduce, so every rank calls it; a loss_sum on a GPU stays there, as NCCL wants),
+        its test loss and accuracy (evaluate's), its training time and steps; `more` goes into the
+        epoch's record, `note` at the end of its line."""
+        loss_sum = torch.as_tensor(loss_sum, dtype=torch.float64)
+        totals = torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=loss_sum.device)])
+        if self.world_size > 1:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        loss_mean, seen_all = (totals[0] / totals[1]).item(), int(totals[1])
+        self.history.append({"epoch": epoch, "train_loss": loss_mean, "test_loss": test_loss,
+                             "test_accuracy": test_accuracy, "seconds": seconds,
+                             "images_per_second": seen_all / seconds, "steps": steps, **more})
+        self.say(f"epoch {epoch}: train loss {loss_mean:.4f}  test loss {test_loss:.4f}  test accuracy "
+                 f"{test_accuracy:.2%}  {seconds:.1f} s  {seen_all / seconds:,.0f} images/s{note}")
+        if self.rank == 0 and self.args.metrics_json:
+            write_metrics(self.args.metrics_json, {**self.fields, "epochs": self.history})
+
+    def done(self, steps):
+        """The summary line, printed by rank 0 even with --quiet: the tests and notebooks look for it."""
+        if self.rank == 0:
+            last, n = self.history[-1], self.world_size
+            print(f"done: {self.args.model} on {self.args.dataset}, {n} process{'es' * (n != 1)}, "
+                  f"{steps} steps, test accuracy {last['test_accuracy']:.2%}, "
+                  f"{last['images_per_second']:,.0f} images/s, {time.perf_counter() - self.start:.1f} s "
+                  f"in all", flush=True)

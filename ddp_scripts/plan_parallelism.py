@@ -503,7 +503,7 @@ def lab_all_reduce_checks(lab):
 
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(__doc__)
     p.add_argument("--layers", type=positive(int), required=True, help="decoder layers")
     p.add_argument("--hidden", type=positive(int), required=True, help="hidden size h")
     p.add_argument("--heads", type=positive(int), required=True, help="attention heads")

@@ -30,8 +30,6 @@ second gather): ZeRO-2's bytes, ZeRO-3's memory between steps.
 A teaching script: it reads the data that mnist_single.py (or any lesson script) has prepared, and
 it has none of the hardening of mnist_fsdp.py, which is the one to copy.
 """
-import json
-import os
 import statistics
 import sys
 import time
@@ -40,7 +38,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -52,8 +49,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
     from comm_bytes import BACKENDS, bytes_sent
-    from mnist_parts import build_model, load_split, prepared
-    from ddp_hardening import Parser, UsageError, free_port, positive
+    from mnist_parts import add_prepared_flags, build_model, load_split, prepared, save_outputs
+    from ddp_hardening import Parser, UsageError, cpu_cores, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
@@ -432,20 +429,18 @@ def worker(rank, world_size, args):
         print(f"done: {args.model} on {args.dataset}, --shard {args.shard}, {args.optimizer}, {world_size} "
               f"processes, {steps} steps, test accuracy {accuracy:.2%}, {per_step * 1e3:.1f} ms per step",
               flush=True)
-        if args.save:
-            torch.save(plain.state_dict(), args.save)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as f:
-                json.dump({"shard": args.shard, "optimizer": args.optimizer, "model": args.model,
-                           "compute_dtype": args.compute_dtype, "world_size": world_size, "steps": steps,
-                           "test_accuracy": accuracy, "ms_per_step": per_step * 1e3, **metrics}, f, indent=2)
+        metrics.update(shard=args.shard, optimizer=args.optimizer, model=args.model, steps=steps,
+                       compute_dtype=args.compute_dtype, world_size=world_size, test_accuracy=accuracy,
+                       ms_per_step=per_step * 1e3)
+        save_outputs(args, plain.state_dict(), metrics)
     dist.barrier()  # the ranks leave together, once rank 0 has scored and saved
     dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(__doc__)
+    add_prepared_flags(p)  # --dataset --data-dir --lr --seed --max-steps --nprocs --save ... (mnist_parts.py)
     p.add_argument("--shard", choices=["none", "zero1", "torch", "zero2", "zero3", "fsdp", "fsdp-no-reshard"],
                    default="zero1",
                    help="none: DDP with the whole optimizer on every rank; zero1: ShardedOptimizer; "
@@ -457,24 +452,15 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                    help="adamw, or sgd with momentum 0.9")
     p.add_argument("--model", choices=["linear", "convnet", "mlp"], default="mlp")
-    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default=None,
-                   help="default: MNIST if its files are in --data-dir, else Fashion-MNIST")
-    p.add_argument("--data-dir", type=str, default="data")
     p.add_argument("--global-batch-size", type=positive(int), default=60,
                    help="the batch of all ranks together: keep it, and 1, 2 or 3 ranks take the same steps")
     p.add_argument("--lr", type=positive(float), default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01, help="of the weight matrices' group")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=positive(int), default=None, help="default: one epoch")
-    p.add_argument("--no-shuffle", action="store_true")
-    p.add_argument("--nprocs", type=positive(int), default=2)
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
-    p.add_argument("--save", type=str, default=None, help="write rank 0's final state_dict here")
-    p.add_argument("--metrics-json", type=str, default=None)
-    p.add_argument("--quiet", action="store_true", help="only the final line")
-    p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
     args = p.parse_args(argv)
+    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     if args.global_batch_size % args.nprocs:
         raise UsageError(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                          f"{args.nprocs} ranks: choose a multiple of {args.nprocs}")
@@ -482,20 +468,10 @@ def parse_args(argv=None):
         raise UsageError(f"--compute-dtype {args.compute_dtype} is zero3's: add --shard zero3")
     if args.weight_decay < 0:
         raise UsageError(f"--weight-decay {args.weight_decay}: give 0 or more")
-    if args.threads_per_proc is None:
-        args.threads_per_proc = max(1, (os.cpu_count() or 1) // args.nprocs)
-    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
+    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
     return args
 
 
-def main(args):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    mp.spawn(worker, args=(args.nprocs, args), nprocs=args.nprocs)
-
-
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except UsageError as err:  # something the user can fix: one line, no traceback
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    # plain: args = parse_args(); MASTER_ADDR/PORT here; mp.spawn(worker, args=(args.nprocs, args))
+    run_plainly(worker, parse_args)

@@ -120,7 +120,9 @@ def checkpoint(model, info):
 def check_setup(args, rank):
     """Refuse, before any work, what cannot work: raise UsageError("...what to do...") for a
     one-line error. Runs in the launcher (mp.spawn) or in every rank (torchrun)."""
-    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))
+    # plain: nothing (refuses NCCL on a CPU, more ranks than GPUs: the device's one-line errors)
+    hardening.check_device(args.device, args.backend, nprocs=args.nprocs,
+                           gpu=int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU, by index
     if rank == 0:  # only rank 0 writes them (on its own machine)
         check_writable(args.save, args.metrics_json)
 
@@ -245,24 +247,6 @@ def worker(rank, world_size, args):
         dist.destroy_process_group()  # 7. tear down, even after an error
 
 
-def check_device(args, gpu=0):
-    """GPUs: one per rank, and NCCL only with them. gpu: this process's GPU, by index."""
-    if args.device == "cpu":
-        if args.backend == "nccl":
-            raise UsageError("NCCL needs CUDA tensors: use --backend gloo with --device cpu")
-        return
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); "
-                         "to run on CPU instead: --device cpu")
-    gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))
-    if procs > gpus:
-        raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
-                         f"so use --nprocs {gpus} (or --nproc-per-node {gpus})")
-    if gpu >= gpus:  # before asking about it: asking about a GPU that is not there fails
-        raise UsageError(f"LOCAL_RANK={gpu}, but this process sees {gpus} GPU(s): every rank must see all of "
-                         f"its machine's GPUs (Slurm: --gpus-per-node, not --gpus-per-task)")
-
-
 def main(args):
     if "RANK" in os.environ:  # torchrun: this process is one rank; each checks itself first
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -283,7 +267,7 @@ def main(args):
 
 
 def parse_args(argv=None):
-    p = Parser(description=DESCRIPTION, allow_abbrev=False)
+    p = Parser(DESCRIPTION)
     p.add_argument("--epochs", type=positive(int), default=1)
     p.add_argument("--batch-size", type=positive(int), default=64, help="per process")
     p.add_argument("--lr", type=positive(float), default=0.05)
@@ -304,18 +288,15 @@ def parse_args(argv=None):
                    help="write checkpoint() here after each epoch that better() accepts")
     p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    p.add_argument("--timeout", type=positive(int), default=300,
-                   help="seconds any collective may wait for the other ranks before failing")
-    hardening.add_hardening_flags(p, prepare=prepare_data is not None)  # plain: nothing
+    # plain: p.add_argument("--timeout", type=int, default=300)
+    hardening.add_hardening_flags(p, prepare=prepare_data is not None)
     add_project_flags(p)  # last: its set_defaults() reach the flags above
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.nprocs is None:
         args.nprocs = (torch.cuda.device_count() if args.device == "cuda" else 0) or 2
-    if args.threads_per_proc is None:
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", args.nprocs))  # torchrun sets it
-        args.threads_per_proc = max(1, cpu_cores() // procs)
+    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
     return args
 
 

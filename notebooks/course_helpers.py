@@ -70,8 +70,27 @@ def start(argv, env, watched=False):
 
 
 LAUNCHER = None
-# the modules the scripts import
+# the modules the scripts import; and lessons 2 and 3's scripts, whose launching later lessons run
 COURSE_MODULES = ("ddp_hardening.py", "mnist_parts.py", "gcn_parts.py", "comm_bytes.py")
+BASE_SCRIPTS = ("mnist_ddp_cpu.py", "mnist_ddp_gpu.py")
+
+
+def course_imports(script):
+    """The files of ddp_scripts/ that `script` imports, directly or through them: what a copy of it
+    needs beside it (read from its import statements)."""
+    import ast
+
+    found, todo = set(), [script]
+    while todo:
+        for node in ast.walk(ast.parse((SCRIPTS / todo.pop()).read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                file = f"{name.split('.')[0]}.py"
+                if (SCRIPTS / file).is_file() and file not in found:
+                    found.add(file)
+                    todo.append(file)
+    return sorted(found)
 
 
 def trains(argv):
@@ -104,6 +123,28 @@ def function_diff(before, after, name, context=1):
 
     return "\n".join(difflib.unified_diff(source(before), source(after), f"{before}", f"{after}",
                                           lineterm="", n=context))
+
+
+def lesson_diff(before, after, diffed=("train",), context=1):
+    """What the script `after` adds to `before`, the lesson whose launching and command line it
+    imports and runs: its top-level functions and classes in order, those named in `diffed` (that
+    `before` defines too) as their diff against `before`'s, every other one whole, as added lines.
+    What it takes from `before` unchanged is not repeated."""
+    import ast
+    import difflib
+
+    def definitions(script):
+        text = lesson_text(script).splitlines()
+        return {node.name: text[node.lineno - 1 - len(node.decorator_list):node.end_lineno]
+                for node in ast.parse("\n".join(text)).body if hasattr(node, "name")}
+
+    old, new, out = definitions(before), definitions(after), []
+    for name, lines in new.items():
+        if name in diffed and name in old:
+            out += list(difflib.unified_diff(old[name], lines, lineterm="", n=context))[2:]
+        else:
+            out += [f"@@ {after}: {name} @@"] + ["+" + line for line in lines]
+    return "\n".join(out)
 
 
 def lesson_text(script):
@@ -339,11 +380,11 @@ def read_json(path):
 
 def edited_copy(script, edits, name, modules=None):
     """A copy of ddp_scripts/<script>, changed for an experiment, in notebooks/output/<name>.py,
-    with the modules the scripts import beside it; the course's files themselves stay as they are.
+    with the files it imports beside it (course_imports); the course's files stay as they are.
     `edits`: pairs (old, new) of text, each `old` found exactly once (else ValueError: the script
-    has changed, and the experiment must follow it). `modules`: {module: edits} for the modules'
-    copies (e.g. {"mnist_parts.py": [...]}), which hold until the next edited_copy. Prints each
-    change as a diff; returns the copy's path, to run() like any script."""
+    has changed, and the experiment must follow it). `modules`: {file: edits} for the copies of
+    those files (e.g. {"mnist_parts.py": [...]}, or lesson 3's script), which hold until the next
+    edited_copy. Prints each change as a diff; returns the copy's path, to run() like any script."""
     import difflib
 
     def edited(file, changes, target):
@@ -361,7 +402,7 @@ def edited_copy(script, edits, name, modules=None):
 
     path = output_path(f"{name}.py")
     edited(script, edits, path)
-    for module in COURSE_MODULES:  # what the copy imports, beside it (as Python looks for it)
+    for module in course_imports(script):  # what the copy imports, beside it (as Python looks for it)
         edited(module, (modules or {}).get(module, []), output_path(module))
     return path
 

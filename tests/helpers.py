@@ -71,6 +71,18 @@ def load_script(name):
     return module
 
 
+def launching(module):
+    """(worker, check_setup) that a script's main runs: its own, or those of the lesson whose
+    launching it runs (lesson 2's or 3's), the worker running the script's own train()."""
+    import functools
+
+    base = getattr(module, "lesson3", None) or getattr(module, "lesson2", None)
+    if base is None:
+        return module.worker, module.check_setup
+    check_setup = getattr(module, "check_setup", base.check_setup)
+    return functools.partial(base.worker, train=module.train), check_setup
+
+
 def script_env(**extra):
     env = dict(os.environ)
     env.pop("MASTER_PORT", None)  # each run picks its own free port
@@ -211,15 +223,18 @@ def refused_in_process(module, argv, monkeypatch=None, gpus=None):
     start = time.monotonic()
     stderr = io.StringIO()
     # run_main ends its process through leave() (os._exit): here it raises SystemExit instead
-    hardening = getattr(module, "hardening", None)
-    leave = mock.patch.object(hardening, "leave", sys.exit) if hardening else contextlib.nullcontext()
-    with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(stderr), leave:
-        if hardening:
-            hardening.run_main(module.main, module.parse_args, [str(a) for a in argv])
+    hardening = sys.modules["ddp_hardening"]  # the module the script imported (load_script's sys.path)
+    argv = [str(a) for a in argv]
+    with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(stderr), \
+            mock.patch.object(hardening, "leave", sys.exit):
+        if hasattr(module, "main") and hasattr(module, "run_main") or hasattr(module, "hardening"):
+            hardening.run_main(module.main, module.parse_args, argv)  # its __main__ block's call
+        elif hasattr(module, "run_plainly"):  # a by-hand script
+            hardening.run_plainly(module.worker, lambda: module.parse_args(argv))
         else:  # a plain script: its __main__ block does this
             try:
-                module.main(module.parse_args([str(a) for a in argv]))
-            except module.UsageError as err:
+                module.main(module.parse_args(argv))
+            except hardening.UsageError as err:
                 sys.exit(f"{module.__name__}.py: error: {err}")
     assert time.monotonic() - start < 5
     assert exit_info.value.code not in (0, None)

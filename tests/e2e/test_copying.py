@@ -43,15 +43,28 @@ def test_a_lesson_script_copied_with_its_modules_trains(tmp_path, data_args):
     assert "done:" in r.stdout
 
 
-@pytest.mark.parametrize("script, needs", [("template_ddp.py", "ddp_hardening.py"),
-                                           ("mnist_ddp_cpu.py", "ddp_hardening.py"),
-                                           ("mnist_single.py", "ddp_hardening.py"),
-                                           ("gcn_ddp.py", "ddp_hardening.py"),
-                                           ("mnist_by_hand.py", "mnist_parts.py")])
-def test_a_script_copied_alone_names_the_file_it_needs_in_one_line(tmp_path, script, needs):
-    folder = copy(tmp_path / "alone", script)
-    if needs == "mnist_parts.py":  # the one module it has: the other one is named
-        copy(folder, "ddp_hardening.py")
+def test_a_later_lesson_copied_with_the_files_it_imports_trains(tmp_path, data_args):
+    """Lesson 6's script runs lesson 3's launching: beside lesson 3's script and the two modules."""
+    folder = copy(tmp_path / "mine", "mnist_ddp_comm.py", "mnist_ddp_gpu.py", "mnist_parts.py",
+                  "ddp_hardening.py")
+    r = run_copy(folder, "mnist_ddp_comm.py", "--backend", "gloo", "--device", "cpu", "--nprocs", 2,
+                 "--model", "linear", "--accum-steps", 2, "--max-steps", 3, "--quiet", *map(str, data_args))
+    assert r.returncode == 0, r.stderr
+    assert "done:" in r.stdout
+
+
+@pytest.mark.parametrize("script, has, needs", [
+    ("template_ddp.py", [], "ddp_hardening.py"),
+    ("mnist_ddp_cpu.py", [], "ddp_hardening.py"),
+    ("mnist_single.py", [], "ddp_hardening.py"),
+    ("gcn_ddp.py", [], "ddp_hardening.py"),
+    ("mnist_by_hand.py", ["ddp_hardening.py"], "mnist_parts.py"),  # the one module it has: the other
+    ("mnist_ddp_resume.py", [], "mnist_ddp_gpu.py"),  # a later lesson: the lesson it runs
+    ("mnist_ddp_practice.py", [], "mnist_ddp_cpu.py"),
+    ("mnist_ddp_comm.py", ["mnist_ddp_gpu.py", "ddp_hardening.py"], "mnist_parts.py"),  # what lesson 3 needs
+])
+def test_a_script_copied_alone_names_the_file_it_needs_in_one_line(tmp_path, script, has, needs):
+    folder = copy(tmp_path / "alone", script, *has)
     r = run_copy(folder, script, "--help", timeout=60)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and needs in r.stderr and "copy it" in r.stderr, r.stderr

@@ -80,7 +80,8 @@ def checkpoint(model, info):
 
 
 def check_setup(args, rank):
-    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))
+    hardening.check_device(args.device, args.backend, nprocs=args.nprocs,
+                           gpu=int(os.environ.get("LOCAL_RANK", 0)))
     if rank == 0:
         check_writable(args.save, args.metrics_json)
 
@@ -288,7 +289,8 @@ def checkpoint(model, info):
 
 
 def check_setup(args, rank):
-    check_device(args, gpu=int(os.environ.get("LOCAL_RANK", 0)))
+    hardening.check_device(args.device, args.backend, nprocs=args.nprocs,
+                           gpu=int(os.environ.get("LOCAL_RANK", 0)))
     if rank == 0:
         check_writable(args.save, args.metrics_json)
 

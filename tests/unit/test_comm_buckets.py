@@ -2,7 +2,7 @@
 in the fp16 hook's place. no_sync() skips all but the last micro-batch of each group, and DDP's
 buckets are what torch 2.14.1 makes of them."""
 import pytest
-from helpers import load_script
+from helpers import launching, load_script
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
 
@@ -23,7 +23,7 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(monkeypatch, in_proce
     args = comm.parse_args(["--model", "linear", *map(str, data_args), "--batch-size", "500",
                             "--nprocs", "1", "--quiet", "--comm-hook", "fp16",
                             "--accum-steps", str(accum_steps), *CPU])
-    comm.worker(0, 1, args)
+    launching(comm)[0](0, 1, args)  # lesson 3's worker, running comm's train
     # 6,000 images in micro-batches of 500: 12 a pass; groups of 5 are 5, 5 and a last of 2.
     assert micro_batches == 6000 // 500
     assert len(calls) == -(-micro_batches // accum_steps)
@@ -51,7 +51,7 @@ def test_without_the_flag_ddp_keeps_its_own_buckets(monkeypatch, in_process_rank
     args = comm.parse_args(["--model", "mlp", *map(str, data_args), "--batch-size", "16", "--max-steps", "3",
                             "--nprocs", "1", "--quiet",
                             "--comm-hook", "fp16", *flags, *CPU])
-    comm.worker(0, 1, args)
+    launching(comm)[0](0, 1, args)  # lesson 3's worker, running comm's train
     everything = 784 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 10 + 10
     assert sizes == [everything] + later_steps * 2
 

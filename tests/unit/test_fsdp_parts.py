@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, load_script, refused_in_process
+from helpers import REPO, launching, load_script, refused_in_process
 
 sys.path.insert(0, str(REPO / "tools" / "figures"))
 import draw_sharding  # noqa: E402  (lesson 10's figure of what each rank holds)
@@ -212,7 +212,8 @@ def test_a_resumed_run_is_the_uninterrupted_one(in_process_rank, tmp_path, data_
 
     def run(*flags):
         path = tmp_path / f"weights{len(list(tmp_path.glob('weights*')))}.pt"
-        fsdp_script.worker(0, 1, fsdp_script.parse_args([*common, "--save", str(path), *map(str, flags)]))
+        args = fsdp_script.parse_args([*common, "--save", str(path), *map(str, flags)])
+        launching(fsdp_script)[0](0, 1, args)
         return torch.load(path)
 
     whole = run("--max-steps", 24)

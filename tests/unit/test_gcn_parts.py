@@ -13,6 +13,7 @@ from helpers import OFFLINE, load_script, needs_sampler, refused_before_spawn
 
 pytest.importorskip("torch_geometric", reason="torch_geometric is not installed (make setup installs it)")
 gcn = load_script("gcn_ddp")
+parts = sys.modules["gcn_parts"]  # the module gcn_ddp.py imports: its graphs, scoring, flags
 CPU = ["--device", "cpu"]
 
 
@@ -32,8 +33,8 @@ def test_rank_chunks_are_disjoint_equal_and_cover_the_floor():
 
 
 def test_synthetic_graph_is_deterministic_and_has_skewed_degrees():
-    a, split_a, _ = gcn.synthetic_graph(3000, seed=1)
-    b, split_b, _ = gcn.synthetic_graph(3000, seed=1)
+    a, split_a, _ = parts.synthetic_graph(3000, seed=1)
+    b, split_b, _ = parts.synthetic_graph(3000, seed=1)
     assert torch.equal(a.edge_index, b.edge_index) and torch.equal(a.x, b.x)
     assert torch.equal(split_a["test"], split_b["test"])
     degree = torch.bincount(a.edge_index[1], minlength=3000).float()
@@ -75,7 +76,7 @@ def test_bad_flags(monkeypatch, args):
                                                             ("cuda", 4, 2, 1), ("cuda", 2, 2, 0)])
 def test_sampling_workers_by_default(monkeypatch, device, cores, nprocs, workers):
     """0 on CPU (the cores run the ranks); on GPUs a rank's share of the cores less one, at most 4."""
-    monkeypatch.setattr(gcn, "cpu_cores", lambda: cores)
+    monkeypatch.setattr(gcn.hardening.os, "sched_getaffinity", lambda pid: range(cores), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     args = gcn.parse_args(["--device", device, "--nprocs", str(nprocs)])
     assert args.num_workers == workers
@@ -111,21 +112,21 @@ def test_under_torchrun_a_real_graph_is_mapped_from_one_sorted_file(tmp_path, mo
     pytest.importorskip("ogb", reason="ogb is not installed (make setup installs it)")
     write_ogbn_products_raw(tmp_path)
     args = gcn.parse_args(["--dataset", "ogbn-products", "--data-dir", str(tmp_path)])
-    reference, reference_split, _ = gcn.ogbn_products(str(tmp_path))
+    reference, reference_split, _ = parts.ogbn_products(str(tmp_path))
     gcn.prepare_graph(reference, reference_split)  # what mp.spawn's ranks get
     saved = tmp_path / "ogbn_products" / "processed" / "sorted_for_ddp.pt"
-    data, split, metric = gcn.load_dataset(args, mapped=True)
+    data, split, metric = gcn.load_mapped(args)
     assert saved.exists() and metric == "accuracy" and len(split["train"]) == 360
     for key in ("x", "edge_index", "y"):
         assert torch.equal(data[key], reference[key]), key
         assert mapped_from(data[key], saved), key
     written = saved.stat().st_mtime_ns
-    again = gcn.load_dataset(args, mapped=True)[0]  # the next rank maps the same file
+    again = gcn.load_mapped(args)[0]  # the next rank maps the same file
     assert saved.stat().st_mtime_ns == written and mapped_from(again.x, saved)
     # Processed again (a new download): the sorted copy is made again.
     processed = tmp_path / "ogbn_products" / "processed" / "geometric_data_processed.pt"
     os.utime(processed, ns=(written + 10**9, written + 10**9))
-    gcn.load_dataset(args, mapped=True)
+    gcn.load_mapped(args)
     assert saved.stat().st_mtime_ns > written
 
 
@@ -134,10 +135,10 @@ def test_when_the_sorted_copy_cannot_be_saved_each_rank_keeps_its_own(tmp_path, 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     write_ogbn_products_raw(tmp_path)
     args = gcn.parse_args(["--dataset", "ogbn-products", "--data-dir", str(tmp_path)])
-    gcn.ogbn_products(str(tmp_path))
+    parts.ogbn_products(str(tmp_path))
     saved = tmp_path / "ogbn_products" / "processed" / "sorted_for_ddp.pt"
     (saved.parent / f"{saved.name}.{socket.gethostname()}.{os.getpid()}.part").mkdir()  # blocks the write
-    data, split, _ = gcn.load_dataset(args, mapped=True)
+    data, split, _ = gcn.load_mapped(args)
     assert not saved.exists() and "each rank holds its own copy" in capsys.readouterr().out
     assert data.num_nodes == 600 and len(split["train"]) == 360
     assert bool((data.edge_index[1][1:] >= data.edge_index[1][:-1]).all())  # sorted all the same
@@ -148,7 +149,7 @@ def test_ogbn_products_without_ogb_says_what_to_install(monkeypatch, tmp_path):
 
     monkeypatch.setitem(sys.modules, "ogb.nodeproppred.dataset_pyg", None)  # import fails
     with pytest.raises(gcn.UsageError, match="pip install ogb"):
-        gcn.ogbn_products(str(tmp_path))
+        parts.ogbn_products(str(tmp_path))
 
 
 def test_fp16_on_cpu_is_refused(monkeypatch):
@@ -158,8 +159,8 @@ def test_fp16_on_cpu_is_refused(monkeypatch):
 
 def test_eval_subset_is_fixed_and_capped():
     idx = torch.arange(100, 200)
-    assert gcn.eval_subset(idx, None, 0) is idx and gcn.eval_subset(idx, 500, 0) is idx
-    a, b = gcn.eval_subset(idx, 30, 0), gcn.eval_subset(idx, 30, 0)
+    assert parts.eval_subset(idx, None, 0) is idx and parts.eval_subset(idx, 500, 0) is idx
+    a, b = parts.eval_subset(idx, 30, 0), parts.eval_subset(idx, 30, 0)
     assert torch.equal(a, b) and len(a.unique()) == 30 and set(a.tolist()) <= set(idx.tolist())
 
 
@@ -201,9 +202,9 @@ def test_metrics_summed_over_unequal_shards_equal_the_metric_on_the_whole(multi_
             return (2 * tp / (2 * tp + fp + fn).double()).item()
         return (out.argmax(1) == y).double().mean().item()
 
-    summed = sum(gcn.metric_sums(out[s], y[s]) for s in shards)
+    summed = sum(parts.metric_sums(out[s], y[s]) for s in shards)
     whole = reference(out, y)
-    assert gcn.metric_value(summed, multi_label) == pytest.approx(whole, abs=1e-12)
+    assert parts.metric_value(summed, multi_label) == pytest.approx(whole, abs=1e-12)
     averaged = sum(reference(out[s], y[s]) for s in shards) / len(shards)
     assert abs(averaged - whole) > 1e-3  # what averaging the ranks' metrics would give instead
 

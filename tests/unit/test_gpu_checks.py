@@ -3,7 +3,7 @@ is present: more processes than GPUs, no NCCL, bf16 on a GPU without it, a rank 
 past the GPUs; the GPU each check asks about (by index); and what a GPU step asks of the host (no
 index tensor copied per step; on a GPU, the synchronisations per step counted)."""
 import pytest
-from helpers import load_script, needs_gpu, needs_sampler, refused_before_spawn
+from helpers import launching, load_script, needs_gpu, needs_sampler, refused_before_spawn
 
 CPU = ["--backend", "gloo", "--device", "cpu"]
 
@@ -71,7 +71,7 @@ def test_the_gpu_checks_ask_about_this_processs_gpu_by_index(monkeypatch, script
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     args = module.parse_args(["--amp", "bf16", "--nprocs", "2"])
-    module.check_setup(args, rank=int(local_rank or 0))
+    launching(module)[1](args, rank=int(local_rank or 0))  # its check_setup
     assert asked == [("capability", int(local_rank or 0))]
 
 
@@ -100,8 +100,8 @@ def test_bf16_with_a_rank_that_has_no_gpu_is_refused_not_crashed(monkeypatch, sc
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
     flags = ["--device", "cuda"] if script == "template_ddp" else ["--amp", "bf16"]  # template: no --amp
     args = module.parse_args(flags)
-    with pytest.raises(module.UsageError) as refusal:
-        module.check_setup(args, rank=1)
+    with pytest.raises(module.hardening.UsageError) as refusal:
+        launching(module)[1](args, rank=1)  # its check_setup
     if local_world_size == "2":
         assert "2 processes but 1 visible GPU(s)" in str(refusal.value) and "--nprocs 1" in str(refusal.value)
     else:
@@ -133,7 +133,7 @@ def test_a_step_builds_no_index_tensor_from_the_host(monkeypatch, data_args, scr
     monkeypatch.setenv("MASTER_PORT", str(module.hardening.free_port()))
     threads = torch.get_num_threads()
     try:
-        module.worker(0, 1, args)
+        launching(module)[0](0, 1, args)  # its worker
     finally:
         torch.set_num_threads(threads)
     assert len(from_lists) == 1 and from_lists[0] > 8 * 16, from_lists  # the epoch's order, once

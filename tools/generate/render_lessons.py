@@ -4,7 +4,8 @@ any Markdown viewer show without a kernel.
 
 Each page starts with a stamp: the machine, the torch version, the data the run used, the date, the
 minutes the notebook took to run, and sha256 hashes of the notebook's cells (prose too) and of the
-scripts it launches (the ddp_scripts/ and tools/lab/ files its code names). tests/unit/
+scripts it launches (the ddp_scripts/ and tools/lab/ files its code names, and the lesson scripts
+those import). tests/unit/
 test_rendered_lessons.py compares those hashes with the files as they are now (it renders nothing)
 and names the command that renders a stale page again.
 
@@ -61,7 +62,14 @@ def launched_scripts(path):
     names = set(re.findall(r"\b(\w+)\.py\b", code))
     names |= set(re.findall(r"^\s*(?:import|from)\s+(\w+)", code, re.M))
     found = [d / f"{name}.py" for name in names for d in SCRIPT_DIRS if (d / f"{name}.py").is_file()]
-    return sorted(str(p.relative_to(REPO)) for p in found)
+    sys.path.insert(0, str(REPO / "notebooks"))
+    from course_helpers import BASE_SCRIPTS, course_imports  # (tools import from notebooks/)
+
+    # A later lesson's script runs lesson 2's or 3's launching and epoch: its outputs come from those
+    # too (the modules it imports do not stale a page: decision 12).
+    found += [SCRIPT_DIRS[0] / f for p in list(found) if p.parent == SCRIPT_DIRS[0]
+              for f in course_imports(p.name) if f in BASE_SCRIPTS]
+    return sorted({str(p.relative_to(REPO)) for p in found})
 
 
 def scripts_hashes(path):
