@@ -94,7 +94,8 @@ def train(rank, local_rank, world_size, args):
             break
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         # This rank's samples, copied to the device once an epoch: a batch is a slice of them.
-        batches, steps_before = torch.tensor(list(sampler), device=device).split(args.batch_size), steps
+        batches = torch.tensor(list(sampler), device=device).split(args.batch_size)
+        steps_before = steps  # a whole epoch takes len(batches) steps; one cut by --max-steps, fewer
         # plain: bar = tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=rank != 0 or args.quiet)
         bar = hardening.progress(batches, f"epoch {epoch}", rank == 0 and not args.quiet)
         if epoch == args.crash_in_epoch and epoch > first_epoch and rank == world_size - 1:
