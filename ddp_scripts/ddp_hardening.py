@@ -136,7 +136,8 @@ def check_device(device, backend=None, amp="off", nprocs=1, gpu=0):
         raise UsageError("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); to run "
                          f"on CPU instead: {'--backend gloo ' if backend else ''}--device cpu")
     if backend == "nccl" and not dist.is_nccl_available():
-        raise UsageError("this PyTorch build has no NCCL: install a CUDA build, or use --backend gloo")
+        raise UsageError("this PyTorch build has no NCCL: install a CUDA build of torch, "
+                         "or use --backend gloo")
     gpus, procs = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", nprocs))
     if procs > gpus:
         raise UsageError(f"{procs} processes but {gpus} visible GPU(s): each rank needs a GPU of its own, "
