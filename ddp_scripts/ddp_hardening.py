@@ -379,7 +379,7 @@ def native_threads():
         return None
 
 
-THREADS_AFTER_IMPORTS = native_threads()  # when a script imports this module, after its other imports
+THREADS_AFTER_IMPORTS = native_threads()  # when first imported: a script imports torch before it
 
 
 def start_method():

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 gcn_ddp.py --device cpu       # or let torchrun launch them
     python gcn_ddp.py --dataset ogbn-products --eval-nodes 50000   # a real graph (1.4 GB download)
 
-It needs gcn_parts.py (the graphs, the model, its scoring) and ddp_hardening.py beside it; torch
+It needs gcn_parts.py (graphs, model, loader, scoring, flags, report) and ddp_hardening.py beside it; torch
 and torch_geometric, with pyg-lib or torch-sparse for the neighbour sampler (tqdm optional; ogb for
 ogbn-products, scipy for AmazonProducts). Compare it with gcn_single.py: the diff is what DDP
 changes for a GNN.

@@ -4,7 +4,7 @@
     python gcn_single.py --amp bf16                               # on a GPU
     python gcn_single.py --dataset ogbn-products --eval-nodes 50000   # a real graph (1.4 GB download)
 
-It needs gcn_parts.py (the graphs, the model, its scoring) and ddp_hardening.py beside it; torch
+It needs gcn_parts.py (graphs, model, loader, scoring, flags, report) and ddp_hardening.py beside it; torch
 and torch_geometric, with pyg-lib or torch-sparse for the neighbour sampler (tqdm optional; ogb for
 ogbn-products, scipy for AmazonProducts). The baseline of gcn_ddp.py: the diff of the two is what
 DDP changes for a GNN.
@@ -120,4 +120,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args)  # main(parse_args()), a mistake said in one line
+    run_main(main, parse_args)  # main(parse_args()), a mistake said in one line, no traceback

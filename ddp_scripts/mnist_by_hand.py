@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
-    from mnist_parts import add_prepared_flags, build_model, load_split, prepared, save_outputs
-    from ddp_hardening import Parser, UsageError, cpu_cores, positive, run_plainly
+    from mnist_parts import add_prepared_flags, build_model, evaluate, load_split, prepared_args, save_outputs
+    from ddp_hardening import Parser, UsageError, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
@@ -185,9 +185,9 @@ def profiler(args, rank):
 
 
 def worker(rank, world_size, args):
+    torch.set_num_threads(args.threads_per_proc)  # as lesson 2's worker: cores // processes
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
-    torch.set_num_threads(args.threads_per_proc)
     images, labels = load_split(args.dataset, args.data_dir, train=True)
 
     torch.manual_seed(args.seed)
@@ -225,11 +225,7 @@ def worker(rank, world_size, args):
 
     if rank == 0:
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
-        with torch.no_grad():
-            model.eval()
-            correct = sum((model(x).argmax(1) == y).sum().item()
-                          for x, y in zip(test_images.split(128), test_labels.split(128)))
-        accuracy = correct / len(test_labels)
+        _, accuracy = evaluate(model, test_images, test_labels)  # lesson 1's, on rank 0 alone
         per_step = statistics.median(seconds[3:] or seconds)  # the first steps warm up
         print(f"done: {args.model} on {args.dataset} by hand ({args.sync}), {world_size} processes, "
               f"{steps} steps, test accuracy {accuracy:.2%}, {per_step * 1e3:.1f} ms per step", flush=True)
@@ -260,7 +256,6 @@ def parse_args(argv=None):
                    help="torch threads per process (default: cores // processes, at least 1)")
     p.add_argument("--quiet", action="store_true", help="(accepted, as by the other scripts)")
     args = p.parse_args(argv)
-    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     if args.bucket_mb is not None and args.sync != "bucketed":
         raise UsageError("--bucket-mb sets the buckets of --sync bucketed: add --sync bucketed, or drop it")
     if args.profile:
@@ -270,9 +265,8 @@ def parse_args(argv=None):
             raise UsageError(f"cannot use --profile {args.profile}: {err.strerror}") from None
         if not os.access(args.profile, os.W_OK):
             raise UsageError(f"cannot use --profile {args.profile}: no write permission there")
-    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
 
-    return args
+    return prepared_args(args)  # the data lesson 1's script prepared; the threads
 
 
 if __name__ == "__main__":

@@ -5,16 +5,18 @@
     python mnist_ddp_comm.py --backend gloo --device cpu --nprocs 2 --model mlp --bucket-cap-mb 1
     python mnist_ddp_comm.py --model mlp --profile traces    # traces/rank<r>.json: what overlaps
 
-Compare it with mnist_ddp_gpu.py, whose launching it runs: the diff is what this lesson adds.
+Compare it with mnist_ddp_gpu.py, whose launching it runs: the diff is the lesson.
 """
-try:  # lesson 3's script first, which imports the course's modules: copy them beside this file
-    import mnist_ddp_gpu as lesson3  # lesson 3's launching, command line and epoch, kept as they are
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
 import os
+import sys
 import time
 from contextlib import nullcontext
 
+try:  # lesson 3's script, which imports the course's modules: copy them beside this file
+    import mnist_ddp_gpu as lesson3  # lesson 3's launching and command line, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line names the file (no torch: Python's error)
+    raise missing if missing.name != "mnist_ddp_gpu" else SystemExit(
+        f"{os.path.basename(sys.argv[0])}: error: mnist_ddp_gpu.py is missing: copy it from ddp_scripts/")
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -3,8 +3,8 @@
     python mnist_ddp_cpu.py --nprocs 2 --model convnet --epochs 1          # launches itself (mp.spawn)
     torchrun --nproc-per-node 2 mnist_ddp_cpu.py --model convnet --epochs 1  # or let torchrun launch it
 
-Lesson 1's data, models and evaluation come from mnist_parts.py; what keeps the job safe on a real
-cluster comes from ddp_hardening.py, in the few calls marked `hardening.`: copy both beside it.
+Lesson 1's data, models, evaluation, flags and report come from mnist_parts.py; what keeps the job
+safe on a real cluster from ddp_hardening.py, in the few calls marked `hardening.`: copy both beside it.
 Compare it with mnist_single.py: the diff is the DDP lesson.
 """
 import os
@@ -124,8 +124,8 @@ def main(args, train=train, check_setup=check_setup):
         hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
         worker(rank, world_size, args, train)
         return
-    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args, train).
+    # Started by hand: check and prepare the data once, here; then start --nprocs processes, each of
+    # which imports the script that was run (hence its __main__ guard) and runs worker(rank, N, args, train).
     check_setup(args, rank=0)
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 mnist_ddp_gpu.py --amp fp16          # or let torchrun launch them
     python mnist_ddp_gpu.py --backend gloo --device cpu --nprocs 2   # no GPU: the same code on CPU
 
-It needs mnist_parts.py (the data, models and evaluation) and ddp_hardening.py beside it.
+It needs mnist_parts.py (lesson 1's data, models, evaluation, flags, report) and ddp_hardening.py beside it.
 Compare it with mnist_ddp_cpu.py: the diff is what moving to GPUs changes.
 """
 import os
@@ -165,8 +165,8 @@ def main(args, train=train, check_setup=check_setup):
         hardening.roll_call(check_setup, args, rank, world_size)  # plain: check_setup(args, rank)
         worker(rank, world_size, args, train)
         return
-    # Started by hand: check and prepare the data once, here; then start --nprocs copies of this
-    # file, each of which imports it (hence the __main__ guard) and runs worker(rank, nprocs, args, train).
+    # Started by hand: check and prepare the data once, here; then start --nprocs processes, each of
+    # which imports the script that was run (hence its __main__ guard) and runs worker(rank, N, args, train).
     check_setup(args, rank=0)
     args.dataset = prepare_data(args.dataset, args.data_dir, verbose=not args.quiet)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

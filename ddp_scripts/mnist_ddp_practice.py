@@ -10,13 +10,16 @@
 
 Compare it with mnist_ddp_cpu.py, whose launching it runs: the diff is what this lesson adds.
 """
-try:  # lesson 2's script first, which imports the course's modules: copy them beside this file
-    import mnist_ddp_cpu as lesson2  # lesson 2's launching and command line, kept as they are
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
+import os
+import sys
 import time
 from contextlib import nullcontext
 
+try:  # lesson 2's script, which imports the course's modules: copy them beside this file
+    import mnist_ddp_cpu as lesson2  # lesson 2's launching and command line, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line names the file (no torch: Python's error)
+    raise missing if missing.name != "mnist_ddp_cpu" else SystemExit(
+        f"{os.path.basename(sys.argv[0])}: error: mnist_ddp_cpu.py is missing: copy it from ddp_scripts/")
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -7,15 +7,16 @@
 
 Compare it with mnist_ddp_gpu.py, whose launching it runs: the diff is what fault tolerance adds.
 """
-try:  # lesson 3's script first, which imports the course's modules: copy them beside this file
-    import mnist_ddp_gpu as lesson3  # lesson 3's launching, command line and epoch, kept as they are
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
 import os
 import signal
 import socket
 import sys
 
+try:  # lesson 3's script, which imports the course's modules: copy them beside this file
+    import mnist_ddp_gpu as lesson3  # lesson 3's launching, command line and epoch, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line names the file (no torch: Python's error)
+    raise missing if missing.name != "mnist_ddp_gpu" else SystemExit(
+        f"{os.path.basename(sys.argv[0])}: error: mnist_ddp_gpu.py is missing: copy it from ddp_scripts/")
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

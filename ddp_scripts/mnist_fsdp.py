@@ -10,10 +10,6 @@ Under DDP every rank holds all the parameters, their gradients and AdamW's state
 torch.distributed.fsdp since torch 2.6) every one of those tensors.
 Compare it with mnist_ddp_gpu.py, whose launching it runs: the diff is what sharding adds.
 """
-try:  # lesson 3's script first, which imports the course's modules: copy them beside this file
-    import mnist_ddp_gpu as lesson3  # lesson 3's launching, command line and epoch, kept as they are
-except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
-    raise SystemExit(f"{__file__}: error: {missing.name}.py is missing: copy it from the course's scripts")
 import json
 import math
 import os
@@ -21,6 +17,11 @@ import resource
 import shutil
 import sys
 
+try:  # lesson 3's script, which imports the course's modules: copy them beside this file
+    import mnist_ddp_gpu as lesson3  # lesson 3's launching, command line and epoch, kept as they are
+except ModuleNotFoundError as missing:  # copied alone: one line names the file (no torch: Python's error)
+    raise missing if missing.name != "mnist_ddp_gpu" else SystemExit(
+        f"{os.path.basename(sys.argv[0])}: error: mnist_ddp_gpu.py is missing: copy it from ddp_scripts/")
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

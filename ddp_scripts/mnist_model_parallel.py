@@ -34,7 +34,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 try:  # the course's modules, written once: copy them beside this file
-    from mnist_parts import add_prepared_flags, load_split, prepared, save_outputs
+    from mnist_parts import add_prepared_flags, evaluate, load_split, prepared_args, save_outputs
     from ddp_hardening import Parser, UsageError, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
@@ -331,9 +331,7 @@ def worker(rank, world_size, args):
         plain = build_model(args.width)
         plain.load_state_dict(weights)
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
-        with torch.no_grad():
-            correct = sum((plain(x).argmax(1) == y).sum().item()
-                          for x, y in zip(test_images.split(512), test_labels.split(512)))
+        _, accuracy = evaluate(plain, test_images, test_labels)  # lesson 1's, on rank 0 alone
         # the median step, the first left out (it also sets things up: the stages' shapes, the buffers)
         per_step = torch.tensor(seconds[1:] or seconds or [0.0]).median().item()
         how = "tensor parallel" if args.mode == "tp" else "pipeline parallel"
@@ -344,7 +342,7 @@ def worker(rank, world_size, args):
                      f"measured idle {', '.join(f'{share:.0%}' for share in idle)}")
         print(f"done: mlp (width {args.width}) on {args.dataset}, {how} over {world_size} processes"
               f"{extra}, {len(losses)} steps, {per_step * 1000:.1f} ms a step (median), final loss "
-              f"{losses[-1] if losses else float('nan'):.4f}, test accuracy {correct / len(test_labels):.2%}",
+              f"{losses[-1] if losses else float('nan'):.4f}, test accuracy {accuracy:.2%}",
               flush=True)
         save_outputs(args, plain.state_dict(), {
             "mode": args.mode, "world_size": world_size, "width": args.width, "batch_size": args.batch_size,
@@ -374,7 +372,6 @@ def parse_args(argv=None):
     p.add_argument("--save", type=str, default=None, help="write the whole model's state_dict here")
     p.add_argument("--metrics-json", type=str, default=None, help="loss and seconds per step")
     args = p.parse_args(argv)
-    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     if args.mode == "tp" and args.width % args.nprocs:
         raise UsageError(f"--width {args.width} does not split evenly over --nprocs {args.nprocs} "
                          f"(tensor parallelism gives each process width/nprocs features)")
@@ -388,7 +385,7 @@ def parse_args(argv=None):
     if args.mode == "pp" and args.batch_size % args.microbatches:
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size "
                          f"{args.batch_size}: every micro-batch must have the same size")
-    return args
+    return prepared_args(args)  # the data lesson 1's script prepared; the threads
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ ddp_hardening.py, which it imports).
     evaluate(model, images, labels, rank, world_size)   test loss and accuracy, over every rank
     add_training_flags(parser)          lesson 1's flags: --model --dataset --epochs --batch-size ...
     Report(args, rank, world_size)      rank 0's lines, the metrics JSON and the `done:` summary
-    prepared, add_prepared_flags, save_outputs   for the by-hand scripts, which read lesson 1's files
+    add_prepared_flags, prepared_args, save_outputs    the by-hand scripts', which read lesson 1's files
 """
 import gzip
 import math
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from ddp_hardening import UsageError, positive, write_metrics
+from ddp_hardening import UsageError, cpu_cores, positive, write_metrics
 
 # --------------------------------------------------------------------------- data
 # torchvision's folder names. The files are read here: importing torchvision takes ~1.5 s.
@@ -225,6 +225,15 @@ def add_prepared_flags(p):
     p.add_argument("--metrics-json", type=str, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the final line")
     p.add_argument("--timeout", type=positive(int), default=120, help="seconds a collective may wait")
+
+
+def prepared_args(args):
+    """A by-hand script's command line, its own checks passed: the data lesson 1's script prepared
+    (refused in one line if it is not there), and the threads, each process's share of the cores."""
+    if getattr(args, "threads_per_proc", 0) is None:
+        args.threads_per_proc = cpu_cores(shared_by=args.nprocs)
+    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
+    return args
 
 
 def save_outputs(args, weights, metrics):

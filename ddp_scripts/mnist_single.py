@@ -3,7 +3,7 @@
     python mnist_single.py --model convnet --epochs 1
     python mnist_single.py --model linear --batch-size 128 --max-steps 50 --no-shuffle
 
-It imports the MNIST pieces (data, models, evaluation) from mnist_parts.py and the command line's
+It imports the MNIST pieces (data, models, evaluation, flags, report) from mnist_parts.py, the command line's
 pieces from ddp_hardening.py: copy them beside it. It needs torch (torchvision to download, tqdm
 optional). Compare it with mnist_ddp_cpu.py: the diff is the DDP lesson.
 """
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 try:  # the course's pieces, written once: copy these files beside this one
-    from ddp_hardening import Parser, UsageError, check_writable, cpu_cores, positive, progress
+    from ddp_hardening import Parser, check_writable, cpu_cores, positive, progress, run_main
     from mnist_parts import Report, add_training_flags, build_model, evaluate, load_split, prepare_data
 except ModuleNotFoundError as missing:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {missing.name}.py is missing: copy it from the "
@@ -90,7 +90,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except UsageError as err:  # something the user can fix: one line, no traceback
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    run_main(main, parse_args)  # main(parse_args()), a mistake said in one line, no traceback

@@ -49,8 +49,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:  # the course's modules, written once: copy them beside this file
     from comm_bytes import BACKENDS, bytes_sent
-    from mnist_parts import add_prepared_flags, build_model, load_split, prepared, save_outputs
-    from ddp_hardening import Parser, UsageError, cpu_cores, positive, run_plainly
+    from mnist_parts import add_prepared_flags, build_model, evaluate, load_split, prepared_args, save_outputs
+    from ddp_hardening import Parser, UsageError, positive, run_plainly
 except ModuleNotFoundError as missing:  # copied alone: one line says what to copy
     sys.exit(f"{sys.argv[0]}: error: {missing.name}.py is missing: copy it from the course's ddp_scripts/")
 
@@ -411,11 +411,8 @@ def worker(rank, world_size, args):
 
     if rank == 0:
         test_images, test_labels = load_split(args.dataset, args.data_dir, train=False)
-        with torch.no_grad():
-            plain.eval()
-            correct = sum((plain(x).argmax(1) == y).sum().item()
-                          for x, y in zip(test_images.split(512), test_labels.split(512)))
-        accuracy, per_step = correct / len(test_labels), statistics.median(seconds[3:] or seconds)
+        _, accuracy = evaluate(plain, test_images, test_labels)  # lesson 1's, on rank 0 alone
+        per_step = statistics.median(seconds[3:] or seconds)
         metrics = {key: [h[key] for h in every] for key in held}
         # zero2, zero3: the last step's collectives, as they counted them
         sent = [call for layer in layers for call in layer.sent] + getattr(optimizer, "sent", [])
@@ -460,7 +457,6 @@ def parse_args(argv=None):
     p.add_argument("--threads-per-proc", type=positive(int), default=None,
                    help="torch threads per process (default: cores // processes, at least 1)")
     args = p.parse_args(argv)
-    args.dataset = prepared(args.dataset, args.data_dir)  # the files mnist_single.py prepared
     if args.global_batch_size % args.nprocs:
         raise UsageError(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                          f"{args.nprocs} ranks: choose a multiple of {args.nprocs}")
@@ -468,8 +464,7 @@ def parse_args(argv=None):
         raise UsageError(f"--compute-dtype {args.compute_dtype} is zero3's: add --shard zero3")
     if args.weight_decay < 0:
         raise UsageError(f"--weight-decay {args.weight_decay}: give 0 or more")
-    args.threads_per_proc = args.threads_per_proc or cpu_cores(shared_by=args.nprocs)
-    return args
+    return prepared_args(args)  # the data lesson 1's script prepared; the threads
 
 
 if __name__ == "__main__":

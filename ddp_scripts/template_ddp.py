@@ -42,7 +42,8 @@ DESCRIPTION = "Train a small regression network on a synthetic data set under DD
 
 def add_project_flags(parser):
     """Your project's own flags. The training flags (--epochs --batch-size --lr ...) are defined
-    already: parser.set_defaults(lr=1e-3, epochs=20) gives them your project's defaults."""
+    already: parser.set_defaults(lr=1e-3, epochs=20) gives them your project's defaults (a flag
+    defined here again replaces the template's)."""
     parser.add_argument("--data", type=str, default="data/synthetic_regression.pt",
                         help="the data file (the default one is written on first use)")
     parser.add_argument("--hidden", type=positive(int), default=64, help="hidden units")

@@ -102,8 +102,10 @@ def trains(argv):
             return False
         if path.parent == SCRIPTS:
             return True
-        # an edited copy of a training script (edited_copy), not some other small script
-        return path.parent == OUTPUT and path.is_file() and 'print(f"done: ' in path.read_text()
+        # an edited copy of a training script (edited_copy), not some other small script: it prints
+        # its summary itself, or through the report of mnist_parts.py or gcn_parts.py
+        return path.parent == OUTPUT and path.is_file() and any(
+            summary in path.read_text() for summary in ('print(f"done: ', "report.done("))
 
     return any(course_script(a) for a in argv) and not {"-h", "--help"} & set(argv)
 
@@ -127,16 +129,21 @@ def function_diff(before, after, name, context=1):
 
 def lesson_diff(before, after, diffed=("train",), context=1):
     """What the script `after` adds to `before`, the lesson whose launching and command line it
-    imports and runs: its top-level functions and classes in order, those named in `diffed` (that
-    `before` defines too) as their diff against `before`'s, every other one whole, as added lines.
+    imports and runs: its top-level functions, classes and constants in order, those named in
+    `diffed` (that `before` defines too) as their diff against `before`'s, every other one whole.
     What it takes from `before` unchanged is not repeated."""
     import ast
     import difflib
 
+    def name(node):  # a function, a class, or a constant (NAME = ...)
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            return node.targets[0].id
+        return getattr(node, "name", None)
+
     def definitions(script):
         text = lesson_text(script).splitlines()
-        return {node.name: text[node.lineno - 1 - len(node.decorator_list):node.end_lineno]
-                for node in ast.parse("\n".join(text)).body if hasattr(node, "name")}
+        return {name(node): text[node.lineno - 1 - len(getattr(node, "decorator_list", [])):node.end_lineno]
+                for node in ast.parse("\n".join(text)).body if name(node)}
 
     old, new, out = definitions(before), definitions(after), []
     for name, lines in new.items():

@@ -333,3 +333,45 @@ def test_a_lesson_reads_in_one_sitting(path):
     nb = nbformat.read(path, as_version=4)
     prose = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
     assert len(nb.cells) <= cells and prose <= words, (len(nb.cells), prose)
+
+
+def test_an_edited_copy_of_a_training_script_must_print_its_summary(tmp_path):
+    """run() insists on the `done:` line of a training script, and of an edited copy of one
+    (course_helpers.trains): the copy of a later lesson, whose summary comes from the report of
+    mnist_parts.py, counts as one; a small script in the same folder does not (the control)."""
+    from course_helpers import OUTPUT, edited_copy, trains
+
+    for script in ("mnist_ddp_comm.py", "mnist_single.py", "gcn_ddp.py", "mnist_by_hand.py"):
+        copy = edited_copy(script, [], "test_trains_copy")
+        assert trains([str(copy), "--nprocs", "2"]), script
+        assert not trains([str(copy), "--help"])
+    other = OUTPUT / "test_trains_other.py"
+    other.write_text("print('hello')\n")
+    assert not trains([str(other)])
+    for path in (copy, other):
+        path.unlink()
+
+
+def test_a_copy_carries_every_file_its_script_imports():
+    """course_helpers.course_imports follows the imports: a later lesson needs the lesson it runs
+    and that lesson's modules; lesson 1 its two modules; the template the hardening alone."""
+    from course_helpers import course_imports
+
+    modules = ["ddp_hardening.py", "mnist_parts.py"]
+    assert course_imports("mnist_ddp_resume.py") == sorted(modules + ["mnist_ddp_gpu.py"])
+    assert course_imports("mnist_ddp_practice.py") == sorted(modules + ["mnist_ddp_cpu.py"])
+    assert course_imports("mnist_single.py") == ["ddp_hardening.py", "mnist_parts.py"]
+    assert course_imports("template_ddp.py") == ["ddp_hardening.py"]
+
+
+def test_a_lesson_diff_shows_train_against_the_earlier_one_and_the_rest_whole():
+    """lesson_diff: lesson 5's train() as a diff against lesson 3's (its snapshot code added, lesson
+    3's lines it keeps as context), each function lesson 5 adds whole; lesson 3's launching, which
+    lesson 5 imports, not repeated."""
+    from course_helpers import lesson_diff
+
+    text = lesson_diff("mnist_ddp_gpu.py", "mnist_ddp_resume.py")
+    assert "+    snapshot = load_snapshot(args, rank, device)" in text
+    assert " def train(rank, local_rank, world_size, args):" in text  # context: the same in both
+    assert "@@ mnist_ddp_resume.py: save_snapshot @@" in text and "+def save_snapshot(" in text
+    assert "def worker(" not in text and "def parser(" not in text
