@@ -62,7 +62,7 @@ graph: $(GRAPH)  ## PyG and its neighbour sampler, for lesson 4
 notebooks: setup  ## execute every notebook with papermill into build/notebooks/ (SMOKE=1: tiny runs)
 	$(PY) tools/generate/run_notebooks.py $(if $(filter 1,$(SMOKE)),--smoke)
 
-pages: setup  ## run every lesson and solution in full, render each with its outputs in docs/lessons/ (41 min on 2 cores; NB=05: those named)
+pages: setup  ## run every lesson and solution in full, render each with its outputs in docs/lessons/ (31 min on 2 cores; NB=05: those named)
 	$(PY) tools/generate/render_lessons.py $(NB)
 
 ##@ Checks and measurements
