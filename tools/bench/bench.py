@@ -27,8 +27,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
-sys.path.insert(0, str(REPO / "notebooks"))
+sys.path[:0] = [str(REPO / "notebooks"), str(SCRIPTS)]
 from course_demos import input_pipeline_rates  # noqa: E402  (lesson 6 shows the same measurement)
+from ddp_hardening import positive  # noqa: E402  (the scripts' own check of a count; the benchmarks use it)
 
 
 def cores():
@@ -106,9 +107,9 @@ def plot(rows, machine, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--nprocs", type=int, default=max(2, cores()))
+    parser.add_argument("--steps", type=positive(int), default=200)
+    parser.add_argument("--repeats", type=positive(int), default=5)
+    parser.add_argument("--nprocs", type=positive(int), default=max(2, cores()))
     parser.add_argument("--data-dir", type=str, default=str(REPO / "data"))
     parser.add_argument("--figure", type=Path, default=REPO / "figures" / "ddp_cpu_speedup.png")
     parser.add_argument("--json", type=Path, default=REPO / "build" / "bench" / "cpu.json")

@@ -311,8 +311,9 @@ def plot(data, out):
 # --------------------------------------------------------------------------- main
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="launches, each with --rounds rounds")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds per launch")
+    parser.add_argument("--repeats", type=hardening.positive(int), default=3,
+                        help="launches, each with --rounds rounds")
+    parser.add_argument("--rounds", type=hardening.positive(int), default=8, help="rounds per launch")
     parser.add_argument("--block", type=int, default=5, help="steps per configuration and round (1 + kept)")
     parser.add_argument("--warmup", type=int, default=3, help="steps of each configuration before the rounds")
     parser.add_argument("--data-dir", type=str, default=str(REPO / "data"))
@@ -325,6 +326,9 @@ def main():
         return
     if args.block < 2:
         sys.exit("bench_by_hand: --block must be at least 2 (its first step is not kept)")
+    if args.repeats * args.rounds < 2 or args.warmup < 0:
+        sys.exit("bench_by_hand: the ratios' quartiles need two rounds or more (--repeats x --rounds at "
+                 "least 2); --warmup 0 or more")
     import mnist_parts
 
     dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench import cores, cpu_name, run_metrics
+from bench import cores, cpu_name, positive, run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
@@ -83,7 +83,7 @@ def plot(rows, machine, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive(int), default=3)
     parser.add_argument("--gpu", action="store_true", help="NCCL on 1 and 2 GPUs instead of Gloo on CPU")
     parser.add_argument("--data-dir", type=str, default=str(REPO / "data"))
     parser.add_argument("--figure", type=Path, default=REPO / "figures" / "ddp_comm_cost.png")

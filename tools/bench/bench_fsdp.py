@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench import cores, cpu_name, run_metrics
+from bench import cores, cpu_name, positive, run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "notebooks"))
@@ -94,8 +94,8 @@ def state_by_hand(dataset, data_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=positive(int), default=30)
+    parser.add_argument("--repeats", type=positive(int), default=3)
     parser.add_argument("--gpu", action="store_true", help="NCCL on 1 to 3 GPUs instead of Gloo on CPU")
     parser.add_argument("--figure", type=Path, default=REPO / "figures" / "fsdp_memory.png")
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "measured" / "fsdp.json")

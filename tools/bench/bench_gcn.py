@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "notebooks"))
+from bench import positive  # noqa: E402
 from course_helpers import PeakMemory  # noqa: E402
 
 
@@ -48,10 +49,10 @@ def run(nprocs, threads, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-nodes", type=int, default=1_000_000)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per rank")
-    parser.add_argument("--eval-nodes", type=int, default=5000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-nodes", type=positive(int), default=1_000_000)
+    parser.add_argument("--steps", type=positive(int), default=100, help="optimizer steps per rank")
+    parser.add_argument("--eval-nodes", type=positive(int), default=5000)
+    parser.add_argument("--repeats", type=positive(int), default=3)
     parser.add_argument("--json", type=Path, default=REPO / "build" / "bench" / "gcn.json")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

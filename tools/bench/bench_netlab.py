@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "lab"))
 import netlab  # noqa: E402
+from bench import positive  # noqa: E402
 
 PREFIX = "ddpbench"
 # What both all-reduce measurements start with, one rank per host: allreduce_by_hand.py loaded (its
@@ -342,12 +343,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--rates", default="none,10gbit,1gbit,100mbit",
                    help="the link's bandwidths, in turn (tc's units; none: uncapped)")
-    p.add_argument("--micro-batches", type=int, default=12, help="per training run (of 64 images per rank)")
-    p.add_argument("--runs", type=int, default=3, help="runs of each training configuration per rate")
+    p.add_argument("--micro-batches", type=positive(int), default=12,
+                   help="per training run (of 64 images per rank)")
+    p.add_argument("--runs", type=positive(int), default=3,
+                   help="runs of each training configuration per rate")
     p.add_argument("--shard-rates", default="none,1gbit",
                    help="the rates at which mnist_fsdp.py's ddp, zero and fsdp also run ('': none)")
-    p.add_argument("--max-mb", type=float, default=16, help="the largest all-reduce, MiB")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--max-mb", type=positive(float), default=16, help="the largest all-reduce, MiB")
+    p.add_argument("--repeats", type=positive(int), default=None,
                    help="all-reduces per size, the median kept (default 3); with --all-reduce-only, rounds "
                         "per size (default 9)")
     p.add_argument("--data-dir", default=str(REPO / "data"))

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import cores, cpu_name, run_metrics
+from bench import cores, cpu_name, positive, run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO = [1, 2, 4, 8, 16]
@@ -25,7 +25,7 @@ CONFIG = ["--mode", "pp", "--nprocs", "2", "--width", "512", "--batch-size", "64
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=positive(int), default=3)
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "measured" / "pipeline.json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "ddp_scripts"))

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "lab"))
 import bench_netlab  # noqa: E402  (both_hosts, python, machine)
 import netlab  # noqa: E402
+from bench import positive  # noqa: E402
 
 PREFIX = "ringorder"
 CASES = ["gloo", "ring", "ring, send first", "step, receive first", "step, send first", "one way"]
@@ -127,9 +128,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--rates", default="none,10gbit,1gbit,100mbit",
                    help="the link's bandwidths (none: uncapped)")
-    p.add_argument("--mib", type=float, default=16, help="the tensor all-reduced, MiB")
-    p.add_argument("--repeats", type=int, default=4, help="timed runs of each case per round")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mib", type=positive(float), default=16, help="the tensor all-reduced, MiB")
+    p.add_argument("--repeats", type=positive(int), default=4, help="timed runs of each case per round")
+    p.add_argument("--rounds", type=positive(int), default=2)
     p.add_argument("--json", default=str(REPO / "build" / "bench" / "ring_order.json"))
     args = p.parse_args()
     reason = netlab.missing_requirements()

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cores, cpu_name
+from bench import cores, cpu_name, positive
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "ddp_scripts"
@@ -36,8 +36,8 @@ def wall_seconds(command, env):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=positive(int), default=5)
+    parser.add_argument("--steps", type=positive(int), default=5)
     parser.add_argument("--data-dir", type=str, default=str(REPO / "data"))
     parser.add_argument("--json", type=Path, default=REPO / "build" / "bench" / "startup.json")
     args = parser.parse_args()
