@@ -326,9 +326,11 @@ def main():
         return
     if args.block < 2:
         sys.exit("bench_by_hand: --block must be at least 2 (its first step is not kept)")
-    if args.repeats * args.rounds < 2 or args.warmup < 0:
-        sys.exit("bench_by_hand: the ratios' quartiles need two rounds or more (--repeats x --rounds at "
-                 "least 2); --warmup 0 or more")
+    if args.repeats * args.rounds < 2:
+        sys.exit("bench_by_hand: the ratios' quartiles need two rounds or more "
+                 "(--repeats x --rounds at least 2)")
+    if args.warmup < 0:
+        sys.exit("bench_by_hand: --warmup must be 0 or more")
     import mnist_parts
 
     dataset = mnist_parts.prepare_data("auto", args.data_dir, verbose=False)
