@@ -139,13 +139,16 @@ def test_the_definitions_check_can_fail(tmp_path):
     assert top_level(tmp_path / "a.py") == top_level(tmp_path / "b.py") != top_level(tmp_path / "c.py")
 
 
+EVERY_FILE = {'"""', ")", "]", "}", "):", "else:", "try:", "return", "pass"}  # lines too common to count
+
+
 def shared_runs(a, b, run=SHARED_RUN):
     """Places where files `a` and `b` share `run` or more lines in a row, alike once stripped;
     blank lines, comments, imports and closing brackets left out (every file has those)."""
     def kept(path):
-        return [line.strip() for line in path.read_text().splitlines()
-                if line.strip() and not line.strip().startswith(("import ", "from ", "#"))
-                and line.strip() not in {'"""', ")", "]", "}", "):", "else:", "try:", "return", "pass"}]
+        stripped = (line.strip() for line in path.read_text().splitlines())
+        return [s for s in stripped
+                if s and not s.startswith(("import ", "from ", "#")) and s not in EVERY_FILE]
     first, second = kept(a), kept(b)
     windows = {tuple(second[i:i + run]) for i in range(len(second) - run + 1)}
     return [i for i in range(len(first) - run + 1) if tuple(first[i:i + run]) in windows]
